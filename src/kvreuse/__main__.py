@@ -1,0 +1,3 @@
+from kvreuse.cli import main
+
+raise SystemExit(main())

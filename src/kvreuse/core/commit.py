@@ -1,0 +1,296 @@
+"""Commit, publication and release (spec §10, §11.5).
+
+Nothing becomes findable before the forward that computed it has finished. A commit, per request
+in plan order: append tokens → settle copies → settle saves → publish attention entries →
+keep the rolling states → free pages that left a window → T = T′. Every block whose reference
+count reaches 0 in one of those steps joins the request's single release batch (11.2).
+
+Attention publication of one commit, page B = 64, u = 16, processed boundary d, E = min(T′, n·u):
+
+    d=128                 E=208
+      |  144  160  176  192 | 208
+      +----+----+----+----+----+
+       partial ×3, full 192, partial 208      (duplicates skipped; a skip ends an event run)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvreuse.core.allocate import PlanRecord
+from kvreuse.core.pool import NULL
+from kvreuse.core.request import Phase, RequestState, check_tokens
+
+if TYPE_CHECKING:
+    from kvreuse.core.manager import KVCacheManager
+
+
+# ---------------------------------------------------------------------------- validation
+def parse_outcome(rec: PlanRecord, outcome: Any) -> tuple[int, list[int], set[int] | None]:
+    """Check one outcome against spec §10.1; returns (T′, new tokens, saved positions)."""
+    req, plan = rec.req, rec.plan
+    rid = req.request_id
+    if not isinstance(outcome, tuple | list) or len(outcome) not in (2, 3):
+        raise ValueError(
+            f"commit: outcome of {rid!r} must be (T', new_token_ids) or "
+            f"(T', new_token_ids, saved_positions), got {outcome!r}"
+        )
+    t_new, new_tokens = outcome[0], outcome[1]
+    if isinstance(t_new, bool) or not isinstance(t_new, int):
+        raise ValueError(f"commit: T' of {rid!r} must be an int, got {t_new!r}")
+    tokens = check_tokens(new_tokens, f"commit: new_token_ids of {rid!r}")
+    if not plan.start <= t_new <= plan.end:
+        raise ValueError(
+            f"commit: T'={t_new} of {rid!r} is outside its step [{plan.start}, {plan.end}]"
+        )
+    num = len(req.tokens)
+    if not tokens and t_new >= num:
+        raise ValueError(
+            f"commit: {rid!r} reports T'={t_new} ≥ N={num} without a new token; a step that "
+            "reaches the end of the known tokens samples one"
+        )
+    if tokens and not num <= t_new <= num + len(tokens) - 1:
+        raise ValueError(
+            f"commit: {rid!r} reports T'={t_new} with {len(tokens)} new tokens; with N={num} "
+            f"T' must lie in [{num}, {num + len(tokens) - 1}]"
+        )
+    saved: set[int] | None = None
+    if len(outcome) == 3 and outcome[2] is not None:
+        saved = set(outcome[2])
+        mine = {c for _, c, _, _, _ in rec.saves}
+        if not saved <= mine:
+            raise ValueError(
+                f"commit: saved_positions {sorted(saved - mine)} of {rid!r} are not saves of "
+                f"this step (planned: {sorted(mine)})"
+            )
+    return t_new, tokens, saved
+
+
+# ---------------------------------------------------------------------------- commit
+def apply_commit(
+    mgr: KVCacheManager, rec: PlanRecord, t_new: int, tokens: list[int], saved: set[int] | None
+) -> None:
+    """Steps 1–7 of spec §10.1 for one request."""
+    geo, pool, req = mgr.geo, mgr.pool, rec.req
+    u = geo.hash_unit
+    if tokens:
+        req.tokens.extend(tokens)
+        req.chain.extend(req.tokens)
+    release: list[int] = []
+    for c in rec.copies:  # 2. pending copy references (dst keeps its table reference)
+        release += (c.src, c.dst)
+    nu = req.chain.num_units * u
+    by_group: dict[int, list[tuple[int, int, bool, bool]]] = {}
+    for g, c, b, rolling, planned in rec.saves:
+        by_group.setdefault(g, []).append((c, b, rolling, planned))
+    for g in geo.groups:
+        gid = g.group_id
+        if g.is_attention:
+            if g.cacheable and geo.caching_enabled:
+                _publish_attention(mgr, req, gid, min(t_new, nu))
+            _window_free(mgr, req, gid, t_new, release)
+        else:
+            _settle_saves(mgr, req, gid, by_group.get(gid, []), t_new, saved, nu, release)
+            _keep_rolling(mgr, req, gid, t_new, release)
+    req.committed = t_new
+    _unpend(mgr, rec)
+    pool.release(release)
+
+
+def _publish_attention(mgr: KVCacheManager, req: RequestState, gid: int, e: int) -> None:
+    """10.3: key every boundary in (d, E] on the request's own page; skip NULL and duplicates."""
+    pool = mgr.pool
+    u = mgr.geo.hash_unit
+    B = mgr.geo.groups[gid].page_size
+    d = req.processed[gid]
+    if e <= d:
+        return
+    row, hashes, mine = req.tables[gid], req.chain.hashes, req.attributed[gid]
+    run: list[int] = []
+    events = pool.events.enabled
+    publish = pool.publish
+    for b in range(d + u, e + 1, u):
+        blk = row[(b - 1) // B]
+        if blk != NULL and publish(gid, b, hashes[b // u], blk):
+            mine.append(b)
+            if events:
+                run.append(b)
+        elif run:
+            pool.events.stored(req, gid, run)
+            run = []
+    if run:
+        pool.events.stored(req, gid, run)
+    req.processed[gid] = e // u * u
+
+
+def _settle_saves(
+    mgr: KVCacheManager,
+    req: RequestState,
+    gid: int,
+    saves: list[tuple[int, int, bool, bool]],
+    t_new: int,
+    saved: set[int] | None,
+    nu: int,
+    release: list[int],
+) -> None:
+    """10.1 step 3: publish valid planned saves, hold valid rolling ones, drop the rest."""
+    pool, counters = mgr.pool, mgr.counters
+    M = mgr.geo.groups[gid].page_size
+    held = req.recurrent[gid].held
+    hashes = req.chain.hashes
+    run: list[int] = []
+    dropped: list[int] = []
+    for c, blk, rolling, planned in sorted(saves):
+        valid = c <= t_new and (saved is None or c in saved)
+        published = False
+        if valid and planned and c <= nu:
+            published = pool.publish(gid, c, hashes[c // mgr.geo.hash_unit], blk)
+        if published:
+            req.published_states[gid].append(c)
+            counters["saves_published"] += 1
+            if run and (c - 1) // M * M != run[-1]:
+                _flush(mgr, req, gid, run)
+            run.append(c)
+        if valid and rolling:
+            held[c] = blk  # the pending reference becomes the held reference
+            if not published:
+                counters["saves_held"] += 1
+        else:
+            dropped.append(blk)
+            if not published:
+                counters["saves_discarded"] += 1
+    _flush(mgr, req, gid, run)
+    release.extend(dropped)
+
+
+def _flush(mgr: KVCacheManager, req: RequestState, gid: int, run: list[int]) -> None:
+    if run and mgr.pool.events.enabled:
+        mgr.pool.events.stored(req, gid, list(run))
+    run.clear()
+
+
+def finish_point(mgr: KVCacheManager, req: RequestState, t: int) -> int:
+    """φ(T) of spec §10.4."""
+    u = mgr.geo.hash_unit
+    phi = min(t // u, req.chain.num_units) * u
+    return phi - u if mgr.geo.spec_mode == "drop" else phi
+
+
+def _keep_rolling(
+    mgr: KVCacheManager, req: RequestState, gid: int, t_new: int, release: list[int]
+) -> None:
+    held = req.recurrent[gid].held
+    lo, hi = finish_point(mgr, req, t_new), t_new // mgr.geo.hash_unit * mgr.geo.hash_unit
+    for c in sorted(held, reverse=True):
+        if not lo <= c <= hi:
+            release.append(held.pop(c))
+
+
+def _window_free(
+    mgr: KVCacheManager, req: RequestState, gid: int, t_new: int, release: list[int]
+) -> None:
+    """10.5: sliding and chunked groups drop pages no later token can attend to."""
+    g = mgr.geo.groups[gid]
+    if g.kind == "full":
+        return
+    B = g.page_size
+    limit = t_new - g.window + 1 if g.kind == "sliding" else t_new // g.chunk * g.chunk
+    row = req.tables[gid]
+    for j in range(min(limit // B, len(row)) - 1, -1, -1):
+        if row[j] != NULL:
+            release.append(row[j])
+            row[j] = NULL
+
+
+def _unpend(mgr: KVCacheManager, rec: PlanRecord) -> None:
+    pending = mgr.pending
+    for gid, key in rec.pending_keys:
+        c = pending[gid][key] - 1
+        if c:
+            pending[gid][key] = c
+        else:
+            del pending[gid][key]
+    rec.pending_keys = []
+
+
+# ---------------------------------------------------------------------------- release
+def pending_refs(rec: PlanRecord) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """A record's pending references: copies by destination group, saves by group."""
+    copies: dict[int, list[int]] = {}
+    for c in rec.copies:
+        copies.setdefault(c.group_id, []).extend((c.dst, c.src))
+    saves: dict[int, list[int]] = {}
+    for g, _, blk, _, _ in sorted(rec.saves):
+        saves.setdefault(g, []).append(blk)
+    return copies, saves
+
+
+def release_request(
+    mgr: KVCacheManager, req: RequestState, dropped: Iterable[PlanRecord], then: str
+) -> None:
+    """Spec §11.5 steps 2–4: publish φ(T), release every slot in one batch, forget or requeue."""
+    geo, pool = mgr.geo, mgr.pool
+    order: list[int] = []
+    copies: dict[int, list[int]] = {}
+    saves: dict[int, list[int]] = {}
+    for rec in dropped:
+        _unpend(mgr, rec)
+        c, s = pending_refs(rec)
+        for g, blocks in c.items():
+            copies.setdefault(g, []).extend(blocks)
+        for g, blocks in s.items():
+            saves.setdefault(g, []).extend(blocks)
+        mgr.counters["saves_discarded"] += len(rec.saves)
+    if req.phase is Phase.RUNNING and geo.caching_enabled:
+        _publish_finish_state(mgr, req)
+    for g in geo.groups:
+        gid = g.group_id
+        if g.is_attention:
+            row = req.tables.get(gid, [])
+            order.extend(copies.get(gid, ()))  # withdrawn copies: dst is also in the table
+            order.extend(b for b in reversed(row) if b != NULL)
+        elif gid in req.recurrent:
+            slots = req.recurrent[gid]
+            order.extend(saves.get(gid, ()))
+            order.extend(slots.held[c] for c in sorted(slots.held, reverse=True))
+            order.extend(reversed(slots.scratch))
+            order.extend(copies.get(gid, ()))
+            order.append(slots.live)
+    pool.release(order)
+    req.tables, req.recurrent, req.planned = {}, {}, {}
+    req.processed, req.attributed, req.published_states = {}, {}, {}
+    req.committed = req.scheduled = req.hit = 0
+    req.open_plan = None
+    req.inflight = []
+    req.deferred = None
+    req.phase = Phase.FINISHED if then == "finish" else Phase.WAITING
+
+
+def _publish_finish_state(mgr: KVCacheManager, req: RequestState) -> None:
+    phi = finish_point(mgr, req, req.committed)
+    if phi <= 0:
+        return
+    for gid, slots in req.recurrent.items():
+        blk = slots.held.get(phi)
+        if blk is None:
+            continue
+        if mgr.pool.publish(gid, phi, req.chain.hashes[phi // mgr.geo.hash_unit], blk):
+            mgr.counters["saves_published"] += 1
+            if mgr.pool.events.enabled:
+                mgr.pool.events.stored(req, gid, [phi])
+
+
+def settle_outcomes(
+    recs: Sequence[PlanRecord], outcomes: Mapping[str, Any]
+) -> list[tuple[PlanRecord, tuple[int, list[int], set[int] | None]]]:
+    """Validate every outcome of a step before changing anything (10.1)."""
+    live = {r.req.request_id: r for r in recs if not r.withdrawn and r.req.deferred is None}
+    known = {r.req.request_id for r in recs}
+    for rid in outcomes:
+        if rid not in known:
+            raise ValueError(f"commit: outcome for {rid!r}, which is not in this step")
+    missing = [rid for rid in live if rid not in outcomes]
+    if missing:
+        raise ValueError(f"commit: no outcome for {missing} (every live request needs one)")
+    return [(r, parse_outcome(r, outcomes[r.req.request_id])) for r in live.values()]

@@ -1,0 +1,330 @@
+"""Cache configuration (spec §4): `GroupSpec`, `CacheConfig`, validation and the resolved geometry.
+
+The user-facing dataclasses hold what the user wrote; `CacheConfig.geometry` resolves it once into
+the numbers every other module uses (page sizes after DCP scaling, the hash unit, L, κ, S, K_max),
+so no other module re-derives them.
+
+    full attention, local block 2048, dcp 4:   one page = 2048 × 4 = 8192 tokens
+    |<------------------------------ B = 8192 ----------------------------->|
+    |256|256|256| ... hash units (u = gcd of LOCAL sizes = 256) ...     |256|
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvreuse.core.errors import ConfigError
+from kvreuse.core.hashing import HASH_ALGOS, algo_available
+
+GroupKind = Literal["full", "sliding", "chunked", "recurrent"]
+GROUP_KINDS: tuple[str, ...] = ("full", "sliding", "chunked", "recurrent")
+ATTENTION_KINDS: frozenset[str] = frozenset({"full", "sliding", "chunked"})
+SPEC_MODES: tuple[str, ...] = ("none", "lookahead", "drop")
+RETENTIONS: tuple[str, ...] = ("sparse", "dense")
+ROLES: tuple[str, ...] = ("target", "draft")
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """One group of layers sharing a kind and a block geometry (spec §4)."""
+
+    kind: GroupKind
+    block_size: int
+    dcp_sharded: bool | None = None
+    window: int | None = None
+    chunk: int | None = None
+    role: Literal["target", "draft"] = "target"
+    prefix_cacheable: bool = True
+    state_scratch_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GroupGeometry:
+    """A group resolved against the configuration: `page_size` is B_g after DCP scaling."""
+
+    group_id: int
+    kind: str
+    block_size: int
+    page_size: int
+    sharded: bool
+    window: int | None
+    chunk: int | None
+    role: str
+    cacheable: bool
+    scratch: int
+
+    @property
+    def is_attention(self) -> bool:
+        return self.kind != "recurrent"
+
+    @property
+    def is_draft(self) -> bool:
+        return self.role == "draft"
+
+    def describe(self) -> str:
+        if self.sharded and self.page_size != self.block_size:
+            size = f"{self.block_size} × dcp {self.page_size // self.block_size} = {self.page_size}"
+        else:
+            size = str(self.page_size)
+        return f"group {self.group_id} ({self.kind}, {size} tokens)"
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """Numbers derived once from a `CacheConfig` (notation of spec §2)."""
+
+    groups: tuple[GroupGeometry, ...]
+    num_blocks: int
+    hash_unit: int  # u
+    lookahead: int  # L: lookahead_tokens in spec mode "lookahead", else 0
+    kappa: int  # extra rolling checkpoint (9.4)
+    common_page: int  # S: lcm of the cacheable page sizes
+    max_keys_per_block: int  # K_max (11.3)
+    ghost_capacity: int
+    caching_enabled: bool
+    spec_mode: str
+    dense_retention: bool
+    cacheable: tuple[GroupGeometry, ...]  # the prefix-cacheable groups, in id order
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The whole cache geometry and policy knobs (spec §4). Validated on construction."""
+
+    num_blocks: int
+    groups: Sequence[GroupSpec]
+    dcp_size: int = 1
+    hash_unit: int | None = None
+    hash_algo: Literal["sha256", "xxh3_128", "blake3"] = "sha256"
+    hash_seed: str | bytes | None = None
+    spec_mode: Literal["none", "lookahead", "drop"] = "none"
+    lookahead_tokens: int = 1
+    recurrent_retention: Literal["sparse", "dense"] = "sparse"
+    enable_prefix_caching: bool = True
+    admission_watermark_blocks: int = 0
+    ghost_capacity: int | None = None
+    eviction_policy: str | Callable[[Any], Any] = "lru"
+    enable_events: bool = True
+    max_pending_events: int | None = 65536
+    finished_stats_capacity: int | None = 10000
+    _geometry: Geometry = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.groups, Sequence) or isinstance(self.groups, str | bytes):
+            raise ConfigError(
+                f"groups must be a list of GroupSpec, got {type(self.groups).__name__}"
+            )
+        object.__setattr__(self, "groups", tuple(self.groups))
+        object.__setattr__(self, "_geometry", _resolve(self))
+
+    @property
+    def geometry(self) -> Geometry:
+        return self._geometry
+
+    # ------------------------------------------------------------------ sizing helpers (§4)
+    @staticmethod
+    def num_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:
+        """Blocks that fit in `budget_bytes` (the null block included)."""
+        if block_bytes < 1 or budget_bytes < 0:
+            raise ConfigError(
+                f"budget_bytes must be ≥ 0 and block_bytes ≥ 1 (got {budget_bytes}, {block_bytes})"
+            )
+        num = budget_bytes // block_bytes
+        if num < 2:
+            raise ConfigError(
+                f"a budget of {budget_bytes} bytes holds {num} blocks of {block_bytes} bytes; "
+                "the pool needs at least 2 (the null block and one usable block)"
+            )
+        return num
+
+    def blocks_for_request(self, num_tokens: int, num_extra_slots: int = 0) -> int:
+        """Upper bound of the blocks one request holds at any time (save blocks excluded)."""
+        if num_tokens < 0 or num_extra_slots < 0:
+            raise ValueError(
+                f"num_tokens and num_extra_slots must be ≥ 0 (got {num_tokens}, {num_extra_slots})"
+            )
+        geo = self._geometry
+        total = 0
+        for g in geo.groups:
+            if g.is_attention:
+                total += -(-(num_tokens + num_extra_slots) // g.page_size)
+            else:
+                total += 2 + g.scratch + geo.kappa
+        return total
+
+    def capacity_tokens(self, num_blocks: int | None = None, concurrent_requests: int = 1) -> int:
+        """Largest t with `concurrent_requests × blocks_for_request(t) ≤ num_blocks − 1`, else 0."""
+        blocks = self.num_blocks if num_blocks is None else num_blocks
+        if concurrent_requests < 1:
+            raise ValueError(f"concurrent_requests must be ≥ 1 (got {concurrent_requests})")
+        budget = blocks - 1
+        if concurrent_requests * self.blocks_for_request(0) > budget:
+            return 0
+        lo, hi = 0, 1
+        while concurrent_requests * self.blocks_for_request(hi) <= budget:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:  # invariant: lo fits, hi does not
+            mid = (lo + hi) // 2
+            if concurrent_requests * self.blocks_for_request(mid) <= budget:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{name} must be ≥ {minimum}, got {value}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _resolve_group(cfg: CacheConfig, gid: int, spec: GroupSpec) -> GroupGeometry:
+    where = f"group {gid} ({spec.kind})"
+    if not isinstance(spec, GroupSpec):
+        raise ConfigError(f"group {gid} must be a GroupSpec, got {type(spec).__name__}")
+    if spec.kind not in GROUP_KINDS:
+        raise ConfigError(
+            f"group {gid}: unknown kind {spec.kind!r}; allowed kinds: {', '.join(GROUP_KINDS)}"
+        )
+    _check_int(f"{where}: block_size", spec.block_size, 1)  # V1
+    if spec.role not in ROLES:
+        raise ConfigError(f"{where}: role must be 'target' or 'draft', got {spec.role!r}")
+    sharded = spec.kind == "full" if spec.dcp_sharded is None else bool(spec.dcp_sharded)
+    if sharded and spec.kind != "full":  # V2
+        raise ConfigError(
+            f"{where} is DCP-sharded: sliding, chunked and recurrent groups must be replicated; "
+            "set dcp_sharded=False"
+        )
+    page = spec.block_size * cfg.dcp_size if sharded else spec.block_size
+    # V3: the kind's own parameters, and no parameter of another kind.
+    if spec.kind == "sliding":
+        if not isinstance(spec.window, int) or isinstance(spec.window, bool) or spec.window < 2:
+            raise ConfigError(
+                f"{where} needs window ≥ 2 (got {spec.window!r}); set e.g. window=4096"
+            )
+    elif spec.window is not None:
+        raise ConfigError(f"{where}: window applies only to sliding groups; remove it")
+    if spec.kind == "chunked":
+        c = spec.chunk
+        if not isinstance(c, int) or isinstance(c, bool) or c < 1 or c % page:
+            raise ConfigError(
+                f"{where}: chunk must be a positive multiple of its page of {page} tokens "
+                f"(got {c!r}), so that every chunk starts at a page start; e.g. chunk={page * 4}"
+            )
+    elif spec.chunk is not None:
+        raise ConfigError(f"{where}: chunk applies only to chunked groups; remove it")
+    if spec.kind == "recurrent":
+        _check_int(f"{where}: state_scratch_blocks", spec.state_scratch_blocks, 0)
+        if spec.role == "draft":  # V5
+            raise ConfigError(f"{where} has role 'draft'; a recurrent group must be a target")
+        if not spec.prefix_cacheable:  # V6
+            raise ConfigError(
+                f"{where} has prefix_cacheable=False: a recurrent state depends on every earlier "
+                "position and cannot start at a hit; to turn caching off set "
+                "enable_prefix_caching=False"
+            )
+    elif spec.state_scratch_blocks:
+        raise ConfigError(f"{where}: state_scratch_blocks applies only to recurrent groups")
+    return GroupGeometry(
+        group_id=gid,
+        kind=spec.kind,
+        block_size=spec.block_size,
+        page_size=page,
+        sharded=sharded,
+        window=spec.window,
+        chunk=spec.chunk,
+        role=spec.role,
+        cacheable=bool(spec.prefix_cacheable),
+        scratch=spec.state_scratch_blocks,
+    )
+
+
+def _check_scalars(cfg: CacheConfig) -> None:
+    _check_int("num_blocks", cfg.num_blocks, 2)  # V1
+    if not cfg.groups:
+        raise ConfigError("groups is empty; a configuration needs at least one GroupSpec")
+    _check_int("dcp_size", cfg.dcp_size, 1)
+    _check_int("admission_watermark_blocks", cfg.admission_watermark_blocks, 0)
+    for name in ("ghost_capacity", "max_pending_events", "finished_stats_capacity"):
+        if getattr(cfg, name) is not None:
+            _check_int(name, getattr(cfg, name), 0)
+    if cfg.eviction_policy != "lru" and not callable(cfg.eviction_policy):
+        raise ConfigError(
+            f"eviction_policy must be 'lru' or a callable factory(pool), "
+            f"got {cfg.eviction_policy!r}"
+        )
+    if cfg.hash_algo not in HASH_ALGOS:
+        raise ConfigError(f"hash_algo {cfg.hash_algo!r} is unknown; allowed: {HASH_ALGOS}")
+    if not algo_available(cfg.hash_algo):  # V7
+        pkg = "xxhash" if cfg.hash_algo == "xxh3_128" else "blake3"
+        raise ConfigError(f"hash_algo {cfg.hash_algo!r} needs a package: pip install {pkg}")
+    if cfg.spec_mode not in SPEC_MODES:
+        raise ConfigError(f"spec_mode must be one of {SPEC_MODES}, got {cfg.spec_mode!r}")
+    if cfg.recurrent_retention not in RETENTIONS:
+        raise ConfigError(
+            f"recurrent_retention must be one of {RETENTIONS}, got {cfg.recurrent_retention!r}"
+        )
+    if cfg.hash_seed is not None and not isinstance(cfg.hash_seed, str | bytes):
+        raise ConfigError(f"hash_seed must be str, bytes or None, got {cfg.hash_seed!r}")
+
+
+def _resolve(cfg: CacheConfig) -> Geometry:
+    _check_scalars(cfg)
+    groups = tuple(_resolve_group(cfg, gid, spec) for gid, spec in enumerate(cfg.groups))
+    cacheable = [g for g in groups if g.cacheable]
+    base = cacheable or list(groups)
+    if cfg.hash_unit is None:
+        u = math.gcd(*(g.block_size for g in base))
+    else:
+        _check_int("hash_unit", cfg.hash_unit, 1)  # V4
+        u = cfg.hash_unit
+    page_gcd = math.gcd(*(g.page_size for g in cacheable)) if cacheable else u
+    for g in cacheable:
+        if g.page_size % u:
+            raise ConfigError(
+                f"hash_unit {u} does not divide the page of {g.describe()}. Every page must be a "
+                f"multiple of hash_unit; valid values divide {page_gcd}: "
+                f"{', '.join(map(str, _divisors(page_gcd)))}."
+            )
+    lookahead = 0
+    if cfg.spec_mode == "lookahead":  # V5
+        _check_int("lookahead_tokens", cfg.lookahead_tokens, 1)
+        if cfg.lookahead_tokens > u:
+            raise ConfigError(
+                f"lookahead_tokens {cfg.lookahead_tokens} exceeds hash_unit {u}; use 1 … {u}"
+            )
+        lookahead = cfg.lookahead_tokens
+    if cfg.spec_mode == "drop" and not any(g.is_draft for g in cacheable):
+        raise ConfigError(
+            "spec_mode 'drop' needs a prefix-cacheable group with role 'draft' (the drafter's KV); "
+            "add one, or use spec_mode 'lookahead' or 'none'"
+        )
+    kappa = 1 if cfg.spec_mode == "drop" or lookahead >= 2 else 0
+    common = math.lcm(*(g.page_size for g in cacheable)) if cacheable else u
+    attn_keys = [g.page_size // u for g in cacheable if g.is_attention]
+    k_max = max(attn_keys) if attn_keys else 1
+    ghost = cfg.ghost_capacity
+    if ghost is None:
+        ghost = 2 * (cfg.num_blocks - 1) * k_max
+    return Geometry(
+        groups=groups,
+        num_blocks=cfg.num_blocks,
+        hash_unit=u,
+        lookahead=lookahead,
+        kappa=kappa,
+        common_page=common,
+        max_keys_per_block=k_max,
+        ghost_capacity=ghost,
+        caching_enabled=bool(cfg.enable_prefix_caching and cacheable),
+        spec_mode=cfg.spec_mode,
+        dense_retention=cfg.recurrent_retention == "dense",
+        cacheable=tuple(cacheable),
+    )

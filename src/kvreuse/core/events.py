@@ -1,0 +1,151 @@
+"""KV events (spec §13): what a router or an offload tier needs to mirror the index.
+
+Events are recorded as compact tuples at emission and turned into objects by `take_events()`, so
+a manager whose consumer drains rarely pays little on the hot path. A stored-run record keeps a
+reference to the publishing request's token list and chain; both are append-only, so building
+the event later reads exactly what was true at emission.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from kvreuse.core.hashing import unit_extra_keys
+
+if TYPE_CHECKING:
+    from kvreuse.core.config import Geometry
+    from kvreuse.core.request import RequestState
+
+
+@dataclass(frozen=True, slots=True)
+class StoredEntry:
+    hash: bytes
+    boundary: int
+    kind: str
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """One maximal run of consecutive entries published for one request and one group."""
+
+    seq: int
+    group_id: int
+    group_kind: str
+    hash_unit: int
+    lookahead_tokens: int
+    block_size: int
+    entries: tuple[StoredEntry, ...]
+    token_start: int
+    parent_hash: bytes | None
+    token_ids: tuple[int, ...]
+    successor_token_ids: tuple[tuple[int, ...], ...]
+    extra_keys: tuple[tuple[Any, ...], ...]
+    lora: tuple[str, str] | None
+    type: Literal["BlockStored"] = "BlockStored"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    seq: int
+    group_id: int
+    hash: bytes
+    boundary: int
+    kind: str
+    cause: str = "evicted"
+    type: Literal["BlockRemoved"] = "BlockRemoved"
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    seq: int
+    type: Literal["AllBlocksCleared"] = "AllBlocksCleared"
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class EventLog:
+    """Bounded queue of pending events with a gap-revealing sequence number."""
+
+    __slots__ = ("dropped", "enabled", "max_pending", "pending", "seq")
+
+    def __init__(self, enabled: bool, max_pending: int | None) -> None:
+        self.enabled = enabled
+        self.max_pending = max_pending
+        self.pending: deque[tuple[Any, ...]] = deque()
+        self.seq = 0
+        self.dropped = 0
+
+    def _push(self, record: tuple[Any, ...]) -> None:
+        if self.max_pending is not None and len(self.pending) >= self.max_pending:
+            if self.max_pending == 0:
+                self.dropped += 1
+                return
+            self.pending.popleft()
+            self.dropped += 1
+        self.pending.append(record)
+
+    def stored(self, req: RequestState, group_id: int, boundaries: list[int]) -> None:
+        self.seq += 1
+        self._push(("S", self.seq, req, group_id, boundaries))
+
+    def removed(self, group_id: int, key: bytes, boundary: int, kind: str) -> None:
+        self.seq += 1
+        self._push(("R", self.seq, group_id, key, boundary, kind))
+
+    def cleared(self) -> None:
+        self.seq += 1
+        self._push(("C", self.seq))
+
+    def take(self, geo: Geometry) -> list[Event]:
+        out = [_build(geo, r) for r in self.pending]
+        self.pending.clear()
+        return out
+
+
+def _build(geo: Geometry, r: tuple[Any, ...]) -> Event:
+    if r[0] == "R":
+        return BlockRemoved(seq=r[1], group_id=r[2], hash=r[3], boundary=r[4], kind=r[5])
+    if r[0] == "C":
+        return AllBlocksCleared(seq=r[1])
+    _, seq, req, gid, boundaries = r
+    g = geo.groups[gid]
+    u, lookahead, page = geo.hash_unit, geo.lookahead, g.page_size
+    hashes = req.chain.hashes
+    entries = tuple(
+        StoredEntry(hashes[b // u], b, _kind(g.is_attention, b, page)) for b in boundaries
+    )
+    start = (boundaries[0] - 1) // page * page
+    last = boundaries[-1]
+    tokens = req.tokens
+    extra = tuple(
+        tuple(
+            key
+            for key in unit_extra_keys(k, u, lookahead, req.lora, req.mm_items, None)
+            if key[0] == "mm"
+        )
+        for k in range(start // u + 1, last // u + 1)
+    )
+    return BlockStored(
+        seq=seq,
+        group_id=gid,
+        group_kind=g.kind,
+        hash_unit=u,
+        lookahead_tokens=lookahead,
+        block_size=page,
+        entries=entries,
+        token_start=start,
+        parent_hash=hashes[start // u] if start else None,
+        token_ids=tuple(tokens[start:last]),
+        successor_token_ids=tuple(tuple(tokens[b : b + lookahead]) for b in boundaries),
+        extra_keys=extra,
+        lora=req.lora,
+    )
+
+
+def _kind(is_attention: bool, boundary: int, page: int) -> str:
+    if not is_attention:
+        return "state"
+    return "full" if boundary % page == 0 else "partial"

@@ -1,0 +1,368 @@
+"""Chained prefix hashing (spec section 5).
+
+``H[k]`` names the whole prefix ``[0, k*u)`` of a request, its extra keys and, in lookahead mode,
+the L tokens after it, because each unit's digest includes its parent.  The module is pure (no
+I/O) and imports ``xxhash`` / ``blake3`` only when their algorithm is chosen, so the core stays
+importable without them.
+
+``enc`` is the normative definition of the hashed bytes.  ``Chain.extend`` is the fast path: it
+emits exactly the bytes ``enc`` would, but splices them from precomputed constant pieces and one
+bulk token conversion, because hashing runs on every admitted token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import sys
+import warnings
+from array import array
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+HASH_ALGOS = ("sha256", "xxh3_128", "blake3")
+_PACKAGES = {"xxh3_128": "xxhash", "blake3": "blake3"}
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_LITTLE = sys.byteorder == "little"
+_TOK_CODE = "I" if array("I").itemsize == 4 else "L"  # a 4-byte unsigned array typecode
+assert array(_TOK_CODE).itemsize == 4
+
+Lora = tuple[str, str]
+
+
+class MMItem(Protocol):
+    """A multimodal placeholder range; ``identifier`` names its *content*, not its location."""
+
+    identifier: str | bytes
+    offset: int
+    length: int
+
+
+class TokenArray(tuple[int, ...]):
+    """Token ids that ``enc`` writes as a token array (tag 0x05, 4 bytes per token).
+
+    A marker type rather than "any list of ints", so that a tuple of ints and a token array
+    holding the same ints can never encode alike.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, tokens: Sequence[int] = ()) -> TokenArray:
+        self = super().__new__(cls, tokens)
+        for t in self:
+            if type(t) is bool or not isinstance(t, int):
+                raise TypeError(f"token must be int, got {type(t).__name__}")
+            if not 0 <= t < 2**32:
+                raise ValueError(f"token {t} out of range [0, 2**32)")
+        return self
+
+
+def _u64(n: int) -> bytes:
+    return n.to_bytes(8, "big")
+
+
+def _tok_bytes(tokens: Sequence[int]) -> bytes:
+    """Tokens as 4-byte big-endian words, converted in one C-level pass."""
+    a = array(_TOK_CODE)
+    if type(tokens) is list:
+        a.fromlist(tokens)  # faster than array(code, list), which uses the generic sequence API
+    else:
+        a.extend(tokens)
+    if _LITTLE:
+        a.byteswap()
+    return a.tobytes()
+
+
+def _enc_into(value: object, out: bytearray) -> None:
+    # Order matters: bool before int (bool subclasses int), TokenArray before tuple.
+    if value is None:
+        out += b"\x00"
+    elif isinstance(value, bool):
+        raise TypeError("bool is not encodable (it would alias the ints 0 and 1)")
+    elif isinstance(value, int):
+        if not _INT64_MIN <= value <= _INT64_MAX:
+            raise ValueError(f"int {value} out of int64 range")
+        out += b"\x01" + value.to_bytes(8, "big", signed=True)
+    elif isinstance(value, bytes):
+        out += b"\x02" + _u64(len(value)) + value
+    elif isinstance(value, str):
+        raw = value.encode("utf-8")
+        out += b"\x03" + _u64(len(raw)) + raw
+    elif isinstance(value, TokenArray):
+        out += b"\x05" + _u64(len(value)) + _tok_bytes(value)
+    elif isinstance(value, tuple | list):
+        out += b"\x04" + _u64(len(value))
+        for item in value:
+            _enc_into(item, out)
+    else:
+        raise TypeError(f"cannot encode {type(value).__name__}")
+
+
+def enc(value: object) -> bytes:
+    """Canonical tagged, length-prefixed encoding (spec 5.3): unambiguous, so no two distinct
+    values (``("ab", "c")`` vs ``("a", "bc")``, a salt vs a LoRA name) share bytes."""
+    out = bytearray()
+    _enc_into(value, out)
+    return bytes(out)
+
+
+def _import(algo: str) -> Any:
+    if algo not in _PACKAGES:
+        raise ValueError(f"unknown hash_algo {algo!r}; expected one of {HASH_ALGOS}")
+    pkg = _PACKAGES[algo]
+    try:
+        return __import__(pkg)
+    except ImportError as e:
+        raise ImportError(f"hash_algo {algo!r} needs the {pkg} package: pip install {pkg}") from e
+
+
+def algo_available(algo: str) -> bool:
+    """Whether ``algo`` is known and its package importable (config validation V7)."""
+    try:
+        if algo != "sha256":
+            _import(algo)
+    except (ImportError, ValueError):
+        return False
+    return True
+
+
+def _digest_parts(algo: str) -> tuple[Callable[[bytes], Any] | None, Callable[[bytes], bytes]]:
+    """``(ctor, digest)``. The hot loop inlines ``ctor(m).digest()`` when ``ctor`` is set, to
+    avoid a Python wrapper frame per unit, else calls ``digest`` (a C function for xxh3)."""
+    if algo == "sha256":
+        sha = hashlib.sha256
+        return sha, lambda b: sha(b).digest()
+    mod = _import(algo)
+    if algo == "xxh3_128":
+        return None, mod.xxh3_128_digest  # seed 0, canonical big-endian 16 bytes
+    b3 = mod.blake3
+    return b3, lambda b: b3(b).digest()
+
+
+def make_digest(algo: str) -> Callable[[bytes], bytes]:
+    """The digest ``D`` of spec 5.4 as a ``bytes -> bytes`` function."""
+    return _digest_parts(algo)[1]
+
+
+_random_seed: bytes | None = None
+
+
+def default_seed(algo: str) -> str | bytes:
+    """The seed used when ``hash_seed`` is unset (spec 5.4).
+
+    SHA-256 gets a fixed string so routers and event consumers can recompute hashes anywhere.
+    The fast digests get 32 random bytes drawn once per process, so sharing their keys across
+    processes is an explicit opt-in (a common ``hash_seed``); the warning makes the otherwise
+    silent loss of cross-process hits visible.
+    """
+    global _random_seed
+    if algo == "sha256":
+        return "kvreuse/v1"
+    if algo not in _PACKAGES:
+        raise ValueError(f"unknown hash_algo {algo!r}; expected one of {HASH_ALGOS}")
+    if _random_seed is None:
+        _random_seed = os.urandom(32)
+        warnings.warn(
+            f"hash_algo {algo!r} without hash_seed: using a random per-process seed, so hashes "
+            "are not shared across processes; set hash_seed to share them",
+            stacklevel=2,
+        )
+    return _random_seed
+
+
+def root_hash(algo: str, hash_unit: int, lookahead: int, seed: str | bytes | None) -> bytes:
+    """``H[0] = D(enc(("kvr/root", algo, u, L, seed)))``: configurations with a different
+    algorithm, unit, lookahead or seed never share a key."""
+    if seed is None:
+        seed = default_seed(algo)
+    return make_digest(algo)(enc(("kvr/root", algo, hash_unit, lookahead, seed)))
+
+
+def _check_extras(lora: Lora | None, mm_items: Sequence[MMItem], cache_salt: str | None) -> None:
+    # str and bytes encode differently, so a wrong type would silently split the key space.
+    if lora is not None and not (type(lora) is tuple and list(map(type, lora)) == [str, str]):
+        raise TypeError("lora must be a (name, path) tuple of str")
+    if cache_salt is not None and type(cache_salt) is not str:
+        raise TypeError("cache_salt must be str")
+    for it in mm_items:
+        if not isinstance(it.identifier, str | bytes) or {type(it.offset), type(it.length)} != {
+            int
+        }:
+            raise TypeError("multimodal items need a str/bytes identifier and int offset, length")
+
+
+def _prepare(
+    lora: Lora | None, mm_items: Sequence[MMItem], cache_salt: str | None
+) -> tuple[tuple, list[MMItem], tuple]:
+    """Validated ``(lora keys, items in canonical order, salt keys)``."""
+    _check_extras(lora, mm_items, cache_salt)
+    base = (("lora", lora[0], lora[1]),) if lora is not None else ()
+    items = sorted(mm_items, key=lambda it: (it.offset, enc(it.identifier)))
+    return base, items, ((("salt", cache_salt),) if cache_salt else ())  # "" means no salt
+
+
+def unit_extra_keys(
+    k: int,
+    u: int,
+    lookahead: int,
+    lora: Lora | None,
+    mm_items: Sequence[MMItem],
+    cache_salt: str | None,
+) -> tuple:
+    """``X_k`` of spec 5.2 for unit ``k >= 1``: the LoRA key, the multimodal items whose
+    placeholder range meets the window ``[(k-1)u, k*u + L)``, then the salt (unit 1 only)."""
+    base, items, salt = _prepare(lora, mm_items, cache_salt)
+    s, e = (k - 1) * u, k * u + lookahead
+    mm = tuple(
+        ("mm", it.identifier, it.offset - s)
+        for it in items
+        if it.length > 0 and it.offset < e and it.offset + it.length > s
+    )
+    return base + mm + (salt if k == 1 else ())
+
+
+class Chain:
+    """Incremental hash chain of ONE request: ``hashes[k] == H[k]``, ``hashes[0]`` the root.
+
+    Units are hashed once, in order, as tokens arrive; a prefix is never rehashed.
+    """
+
+    __slots__ = ("_base", "_mm", "_salt", "_special_max", "_xdef", "hasher", "hashes")
+
+    def __init__(
+        self,
+        hasher: Hasher,
+        *,
+        lora: Lora | None = None,
+        mm_items: Sequence[MMItem] = (),
+        cache_salt: str | None = None,
+    ) -> None:
+        self._base, items, self._salt = _prepare(lora, mm_items, cache_salt)
+        self.hasher = hasher
+        self.hashes: list[bytes] = [hasher.root]
+        self._xdef = enc(self._base)  # X_k of every unit without mm keys or salt
+        u, la = hasher.hash_unit, hasher.lookahead
+        # unit -> its mm keys, built once; items are in canonical order, so each list is too.
+        self._mm: dict[int, list[tuple]] = {}
+        for it in items:
+            if it.length > 0:
+                lo = max(1, (it.offset - la) // u + 1)  # first k with k*u + L > offset
+                hi = -(-(it.offset + it.length) // u)  # last k with (k-1)*u < offset + length
+                for k in range(lo, hi + 1):
+                    key = ("mm", it.identifier, it.offset - (k - 1) * u)
+                    self._mm.setdefault(k, []).append(key)
+        self._special_max = max(self._mm, default=1 if self._salt else 0)  # last unit != _xdef
+
+    @property
+    def num_units(self) -> int:
+        """Number of hashed units n; the chain proves nothing beyond ``n*u`` tokens."""
+        return len(self.hashes) - 1
+
+    def _xenc(self, k: int) -> bytes:
+        if k > self._special_max:
+            return self._xdef
+        return enc(self._base + tuple(self._mm.get(k, ())) + (self._salt if k == 1 else ()))
+
+    def extend(self, tokens: Sequence[int]) -> int:
+        """Hash every new unit k with ``k*u + L <= len(tokens)``; return the unit count n.
+
+        ``tokens`` is the request's full sequence so far, already validated by the caller.
+        """
+        h = self.hasher
+        u, la = h.hash_unit, h.lookahead
+        n0 = len(self.hashes) - 1
+        n = (len(tokens) - la) // u
+        if n <= n0:
+            return n0
+        # Slicing a long list costs more than converting it (refcount traffic on every int), so
+        # a first extend converts the whole list; the < u surplus tokens go unused.
+        tb = _tok_bytes(tokens if n0 == 0 else tokens[n0 * u : n * u + la])
+        step, lstep = 4 * u, 4 * la
+        ap, last, join = self.hashes.append, self.hashes[-1], b"".join
+        # General path: units whose X_k varies (salt, mm), and every unit in lookahead mode.
+        k_end = n if la else max(n0, min(n, self._special_max))
+        if k_end > n0:
+            digest, xenc = h.digest, self._xenc
+            parts = [h._pre, last, h._mid, b"", h._la_hdr, b"", b""]
+            for i in range(0, (k_end - n0) * step, step):
+                j = i + step
+                parts[1], parts[3], parts[5] = last, tb[i:j], tb[j : j + lstep]
+                parts[6] = xenc(n0 + 1 + i // step)
+                last = digest(join(parts))
+                ap(last)
+        if n == k_end:
+            return n
+        # Fast path (L = 0, constant X_k): only the parent and the unit's tokens change.
+        parts = [h._pre, last, h._mid, b"", h._la_hdr + self._xdef]
+        units = h._unit_struct.iter_unpack(memoryview(tb)[(k_end - n0) * step : (n - n0) * step])
+        ctor = h._ctor
+        if ctor is not None:
+            for (parts[3],) in units:
+                parts[1] = last
+                last = ctor(join(parts)).digest()
+                ap(last)
+        else:
+            digest = h.digest
+            for (parts[3],) in units:
+                parts[1] = last
+                last = digest(join(parts))
+                ap(last)
+        return n
+
+
+class Hasher:
+    """Per-configuration hashing (algorithm, unit u, lookahead L, seed); builds chains.
+
+    Holds the root and the constant byte pieces of ``enc(("kvr/unit", parent, Tok, Tok, X))``,
+    computed once per configuration instead of once per unit.
+    """
+
+    def __init__(
+        self,
+        algo: str = "sha256",
+        hash_unit: int = 16,
+        lookahead: int = 0,
+        seed: str | bytes | None = None,
+    ) -> None:
+        if algo not in HASH_ALGOS:
+            raise ValueError(f"unknown hash_algo {algo!r}; expected one of {HASH_ALGOS}")
+        if type(hash_unit) is not int or hash_unit < 1:
+            raise ValueError(f"hash_unit must be an int >= 1, got {hash_unit!r}")
+        if type(lookahead) is not int or lookahead < 0:
+            raise ValueError(f"lookahead must be an int >= 0, got {lookahead!r}")
+        if seed is not None and not isinstance(seed, str | bytes):
+            raise TypeError("hash_seed must be str, bytes or None")
+        self.algo, self.hash_unit, self.lookahead = algo, hash_unit, lookahead
+        self._ctor, self.digest = _digest_parts(algo)
+        self.root: bytes = root_hash(algo, hash_unit, lookahead, seed)
+        # enc of the 5-tuple around its variable parts:
+        # _pre | parent | _mid | unit tokens | _la_hdr | successor tokens | enc(X_k)
+        self._pre = b"\x04" + _u64(5) + enc("kvr/unit") + b"\x02" + _u64(len(self.root))
+        self._mid = b"\x05" + _u64(hash_unit)
+        self._la_hdr = b"\x05" + _u64(lookahead)
+        self._unit_struct = struct.Struct(f"{4 * hash_unit}s")  # C-level per-unit slicing
+
+    def chain(
+        self,
+        *,
+        lora: Lora | None = None,
+        mm_items: Sequence[MMItem] = (),
+        cache_salt: str | None = None,
+    ) -> Chain:
+        """A new chain, holding only the root, for one request's extra keys."""
+        return Chain(self, lora=lora, mm_items=mm_items, cache_salt=cache_salt)
+
+    def hash_units(self, tokens: Sequence[int], **extra: Any) -> list[bytes]:
+        """``[H[0], ..., H[n]]`` of a whole token list (``extra``: the ``chain`` keywords)."""
+        c = self.chain(**extra)
+        c.extend(tokens)
+        return c.hashes
+
+    def unit_hash(
+        self, parent: bytes, tokens: Sequence[int], successors: Sequence[int], extra_keys: tuple
+    ) -> bytes:
+        """One link, straight from the definition: lets an event consumer recompute ``H[k]``
+        from ``parent_hash`` (spec 13), and is the reference the fast path is tested against."""
+        msg = ("kvr/unit", parent, TokenArray(tokens), TokenArray(successors), extra_keys)
+        return self.digest(enc(msg))

@@ -1,0 +1,181 @@
+"""`check_invariants()` (spec §14): a full, slow audit of the manager's state.
+
+Tests call it after every operation; it recomputes every reference count from scratch, so a
+drift anywhere (a lost release, a double pop, a stale key) is caught at the operation that
+caused it, not thousands of operations later.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from kvreuse.core.commit import finish_point
+from kvreuse.core.errors import InvariantError
+from kvreuse.core.pool import NULL
+from kvreuse.core.request import Phase
+
+if TYPE_CHECKING:
+    from kvreuse.core.manager import KVCacheManager
+
+
+def _fail(code: str, msg: str) -> None:
+    raise InvariantError(f"{code}: {msg}")
+
+
+def check_invariants(mgr: KVCacheManager) -> None:
+    pool = mgr.pool
+    n = pool.num_blocks
+    refs: Counter[int] = Counter()
+    holders: dict[int, set[int]] = {}  # block -> groups of the tables holding it
+    table_holders: Counter[tuple[int, int]] = Counter()  # (group, block) -> number of tables
+    unkeyed_required: set[int] = set()
+    for st in mgr.requests.values():
+        for gid, row in st.tables.items():
+            for j, b in enumerate(row):
+                if b == NULL:
+                    continue
+                refs[b] += 1
+                holders.setdefault(b, set()).add(gid)
+                table_holders[(gid, b)] += 1
+                _check_position(mgr, gid, j, b)
+        for gid, slots in st.recurrent.items():
+            for b in (slots.live, *slots.scratch):
+                refs[b] += 1
+                holders.setdefault(b, set()).add(gid)
+                unkeyed_required.add(b)
+            for b in slots.held.values():
+                refs[b] += 1
+                holders.setdefault(b, set()).add(gid)
+    recs = list(mgr._open) + [r for recs in mgr._sealed.values() for r in recs]
+    for rec in recs:
+        if rec.withdrawn:
+            continue
+        for c in rec.copies:
+            refs[c.src] += 1
+            refs[c.dst] += 1
+            if c.src == NULL or c.dst == NULL:
+                _fail("I2", f"a copy names the null block: {c}")
+        for g, pos, b, _, _ in rec.saves:
+            refs[b] += 1
+            if b == NULL:
+                _fail("I2", "a save names the null block")
+            if pool.has_keys(b):
+                _fail("I8", f"save target {b} (group {g}, position {pos}) carries a key")
+        for c in rec.copies:
+            if pool.has_keys(c.dst):
+                _fail("I8", f"copy destination {c.dst} carries a key")
+    in_use = 0
+    for b in range(1, n):
+        r = pool.ref[b]
+        if r != refs[b]:
+            _fail("I3", f"block {b} has ref {r}, but {refs[b]} slots and pending ops name it")
+        queued = b in pool.policy
+        if queued != (r == 0):
+            _fail("I2", f"block {b} ref {r} but in free queue = {queued}")
+        in_use += r > 0
+    if NULL in pool.policy or pool.has_keys(NULL) or refs[NULL]:
+        _fail("I2", "the null block is queued, keyed or referenced")
+    if len(pool.policy) + in_use + 1 != n:
+        _fail("I1", f"free {len(pool.policy)} + in use {in_use} + 1 != {n}")
+    for b in unkeyed_required:
+        if pool.has_keys(b):
+            _fail("I8", f"live/scratch block {b} carries a key")
+    _check_index(mgr, holders, table_holders)
+    _check_requests(mgr)
+    ghost = pool.ghost
+    if len(ghost) > pool.ghost_capacity:
+        _fail("I12", f"ghost holds {len(ghost)} > capacity {pool.ghost_capacity}")
+    for g, key in ghost:
+        if key in pool.index[g]:
+            _fail("I12", f"a key of group {g} is both in the index and the ghost record")
+
+
+def _check_position(mgr: KVCacheManager, gid: int, j: int, b: int) -> None:
+    g = mgr.geo.groups[gid]
+    B = g.page_size
+    bounds = [bd for bd, _ in mgr.pool.key_list(b)]
+    if len(set(bounds)) != len(bounds):
+        _fail("I6", f"block {b} carries a boundary twice: {bounds}")
+    for bd in bounds:
+        if not (j * B < bd <= (j + 1) * B and bd % mgr.geo.hash_unit == 0):
+            _fail("I6", f"block {b} at page {j} of group {gid} carries boundary {bd}")
+
+
+def _check_index(
+    mgr: KVCacheManager, holders: dict[int, set[int]], table_holders: Counter[tuple[int, int]]
+) -> None:
+    pool, geo = mgr.pool, mgr.geo
+    u = geo.hash_unit
+    seen = 0
+    for b in range(1, pool.num_blocks):
+        keys = pool.key_list(b)
+        if not keys:
+            continue
+        g = pool.group[b]
+        if g < 0:
+            _fail("I5", f"keyed block {b} has no group")
+        grp = geo.groups[g]
+        limit = grp.page_size // u if grp.is_attention else 1
+        if len(keys) > limit:
+            _fail("I5", f"block {b} carries {len(keys)} keys > {limit}")
+        if holders.get(b, {g}) != {g}:
+            _fail("I5", f"block {b} keyed in group {g} is held by groups {holders[b]}")
+        for bd, key in keys:
+            seen += 1
+            if pool.index[g].get(key) != b:
+                _fail(
+                    "I4", f"block {b} carries a key of group {g} at {bd} the index maps elsewhere"
+                )
+    total = sum(len(idx) for idx in pool.index)
+    if total != seen:
+        _fail("I4", f"the index holds {total} keys but blocks carry {seen}")
+    for (gid, b), count in table_holders.items():
+        g = geo.groups[gid]
+        if count >= 2 and g.is_attention:
+            page_ends = [bd for bd, _ in pool.key_list(b) if bd % g.page_size == 0]
+            if not page_ends:
+                _fail("I9", f"block {b} is shared by {count} tables without its full key")
+
+
+def _check_requests(mgr: KVCacheManager) -> None:
+    geo, pool = mgr.geo, mgr.pool
+    u = geo.hash_unit
+    for st in mgr.requests.values():
+        if st.phase is not Phase.RUNNING:
+            if st.tables or st.recurrent:
+                _fail("I3", f"waiting request {st.request_id} holds blocks")
+            continue
+        limit = min(st.committed, st.chain.num_units * u)
+        for gid, mine in st.attributed.items():
+            g = geo.groups[gid]
+            row = st.tables[gid]
+            lo = st.hit // g.page_size * g.page_size
+            for bd in mine:
+                if not lo < bd <= limit:
+                    _fail(
+                        "I10",
+                        f"{st.request_id} group {gid} attributed boundary {bd} "
+                        f"outside ({lo}, {limit}]",
+                    )
+                if bd > limit:
+                    _fail("I13", f"{st.request_id} published {bd} above {limit}")
+                blk = row[(bd - 1) // g.page_size]
+                key = st.chain.hashes[bd // u]
+                if blk != NULL and pool.index[gid].get(key) != blk:
+                    _fail("I10", f"{st.request_id} boundary {bd} sits on another block")
+        for states in st.published_states.values():
+            for c in states:
+                if c > limit:
+                    _fail("I13", f"{st.request_id} published a state at {c} above {limit}")
+        phi = finish_point(mgr, st, st.committed)
+        for gid, slots in st.recurrent.items():
+            if len(slots.held) > geo.kappa + 1:
+                _fail("I11", f"{st.request_id} holds {len(slots.held)} states in group {gid}")
+            for c in slots.held:
+                if not phi <= c <= st.committed // u * u:
+                    _fail(
+                        "I11",
+                        f"{st.request_id} holds a state at {c} outside "
+                        f"[{phi}, {st.committed // u * u}]",
+                    )

@@ -1,0 +1,308 @@
+"""Lookup (spec §7): per-kind acceptance rules, the coordinator's fixed point, reasons, slots.
+
+Every group answers one question, "do you accept a hit of x tokens?", over the candidates
+X = {0, u, 2u, …, top}. The hit is the largest x all prefix-cacheable groups accept:
+
+    full       x ≤ F_g                 (covering rule: an entry at b ≥ x in page p(x) proves x)
+    sliding    pages of [x−W+1, x) have full keys, page p(x) has an entry at b ≥ x
+    chunked    like sliding over [⌊x/C⌋·C, x); a chunk start needs nothing
+    recurrent  a state at exactly x
+
+Bounds (12.3) are computed as a chain of restricted fixed points, each started from the
+previous bound, which is valid because every later bound is at most the earlier one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container, Mapping
+from dataclasses import dataclass, field
+
+from kvreuse.core.config import Geometry, GroupGeometry
+from kvreuse.core.pool import NULL, BlockPool
+from kvreuse.core.request import RequestState
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """What a lookup found (spec §7.8). Pure: computing it changed nothing."""
+
+    request_id: str
+    hit: int
+    pending_hit: int
+    top: int
+    n: int
+    epoch: int
+    reason: str
+    junction: int | None
+    bounds: tuple[int, int, int, int]
+    slots: Mapping[int, list[int]] = field(default_factory=dict)
+    copy_src: Mapping[int, int | None] = field(default_factory=dict)
+    state_src: Mapping[int, int | None] = field(default_factory=dict)
+    group_limits: Mapping[int, int] = field(default_factory=dict)  # m_g(top), for explain()
+
+    def explain(self) -> str:
+        """Human-readable account of the hit (format not normative)."""
+        a1, a2, a3, a4 = self.bounds
+        lines = [
+            f"request {self.request_id}: hit {self.hit} of top {self.top} "
+            f"(n = {self.n} units), reason {self.reason}",
+            f"  bounds: A1 full={a1}  A2 +margin={a2}  A3 non-recurrent={a3}  A4 all={a4}",
+        ]
+        for g, m in sorted(self.group_limits.items()):
+            limiting = "  <- limits the hit" if m == self.hit and m < self.top else ""
+            lines.append(f"  group {g}: largest accepted candidate ≤ top = {m}{limiting}")
+        if self.junction is not None:
+            lines.append(f"  junction {self.junction}: states will be saved there")
+        for g, src in sorted(self.copy_src.items()):
+            if src is not None:
+                lines.append(
+                    f"  group {g}: the page holding token {self.hit - 1} is copied from block {src}"
+                )
+        for g, src in sorted(self.state_src.items()):
+            if src is not None:
+                lines.append(f"  group {g}: state at {self.hit} copied from block {src}")
+        if self.pending_hit > self.hit:
+            lines.append(f"  pending_hit {self.pending_hit}: another request is computing more")
+        return "\n".join(lines)
+
+
+class _Probe:
+    """Acceptance of one group for one request over one key set (index, maybe plus pending)."""
+
+    __slots__ = ("F", "g", "has", "hi", "nu", "run", "u")
+
+    def __init__(
+        self, g: GroupGeometry, keys: Container[bytes], hashes: list[bytes], u: int, nu: int
+    ) -> None:
+        self.g, self.u, self.nu = g, u, nu
+
+        def has(b: int) -> bool:
+            return 0 < b <= nu and hashes[b // u] in keys
+
+        self.has: Callable[[int], bool] = has
+        self.F = 0
+        self.run: list[int] = []
+        self.hi: list[int] = []
+        B = g.page_size
+        if g.kind == "full":
+            step, k, top_k = B // u, B // u, nu // u
+            while k <= top_k and hashes[k] in keys:  # leading run of full pages
+                k += step
+            q_end = k - step  # boundary (in units) of the last full page
+            self.F = q_end * u
+            for b in range(min(q_end * u + B, nu), q_end * u, -u):  # page q, highest first
+                if hashes[b // u] in keys:
+                    self.F = b
+                    break
+        elif g.kind != "recurrent":
+            num_pages = -(-nu // B)
+            run, hi, streak = self.run, self.hi, 0
+            for j in range(num_pages):
+                end = min((j + 1) * B, nu)
+                top_b = 0
+                for b in range(end, j * B, -u):
+                    if hashes[b // u] in keys:
+                        top_b = b
+                        break
+                hi.append(top_b)
+                streak = streak + 1 if top_b == (j + 1) * B else 0
+                run.append(streak)
+
+    def ok(self, x: int) -> bool:
+        if x == 0:
+            return True
+        g = self.g
+        kind = g.kind
+        if kind == "full":
+            return x <= self.F
+        if kind == "recurrent":
+            return self.has(x)
+        lo = max(0, x - g.window + 1) if kind == "sliding" else x // g.chunk * g.chunk
+        if kind == "chunked" and lo == x:
+            return True
+        B = g.page_size
+        p = (x - 1) // B
+        if p >= len(self.hi) or self.hi[p] < x:
+            return False
+        need = p - lo // B
+        return need == 0 or (p >= 1 and self.run[p - 1] >= need)
+
+    def accepts(self, x: int, margin: bool) -> bool:
+        if margin and x > 0:
+            # Drop-mode margin (7.6). For sliding/chunked drafters we also require x itself:
+            # unlike full attention they are not downward-closed (docs/decisions.md, D2).
+            return x + self.u <= self.nu and self.ok(x + self.u) and self.ok(x)
+        return self.ok(x)
+
+    def largest(self, c: int, margin: bool) -> int:
+        """m_g(c): the largest candidate ≤ c this group accepts."""
+        if self.g.kind == "full":
+            return min(c, max(0, self.F - self.u)) if margin else min(c, self.F)
+        x = c
+        while x > 0 and not self.accepts(x, margin):
+            x -= self.u
+        return x
+
+
+def _fixed_point(probes: list[tuple[_Probe, bool]], start: int) -> int:
+    x = start
+    changed = True
+    while changed and x > 0:
+        changed = False
+        for probe, margin in probes:
+            y = probe.largest(x, margin)
+            if y < x:
+                x, changed = y, True
+    return x
+
+
+def _bounds(geo: Geometry, probes: dict[int, _Probe], top: int) -> tuple[int, int, int, int]:
+    drop = geo.spec_mode == "drop"
+    full = [p for p in probes.values() if p.g.kind == "full"]
+    nonrec = [p for p in probes.values() if p.g.kind != "recurrent"]
+    a1 = _fixed_point([(p, False) for p in full], top)
+    a2 = _fixed_point([(p, drop and p.g.is_draft) for p in full], a1)
+    a3 = _fixed_point([(p, drop and p.g.is_draft) for p in nonrec], a2)
+    a4 = _fixed_point([(p, drop and p.g.is_draft) for p in probes.values()], a3)
+    return a1, a2, a3, a4
+
+
+def _reason(
+    geo: Geometry,
+    pool: BlockPool,
+    req: RequestState,
+    probes: dict[int, _Probe],
+    top: int,
+    bounds: tuple[int, int, int, int],
+) -> str:
+    a1, a2, a3, a4 = bounds
+    if top == 0:
+        return "below_unit"
+    if a4 == top:
+        return "cap_reached"
+    if a4 < a3:
+        return "recurrent_limited"
+    if a3 < a2:
+        return "window_limited"
+    if a2 < a1:
+        return "spec_decode_rewind"
+    full = [p for p in probes.values() if p.g.kind == "full"]
+    star = min(full, key=lambda p: (min(top, p.F), p.g.group_id))
+    u, nu, B = geo.hash_unit, star.nu, star.g.page_size
+    x1 = a1 + u
+    p1 = (x1 - 1) // B
+    hashes = req.chain.hashes
+    gid = star.g.group_id
+    for b in range(x1, min((p1 + 1) * B, nu) + 1, u):
+        if pool.in_ghost(gid, hashes[b // u]):
+            return "evicted"
+    return "no_entry"
+
+
+class _Union:
+    """The index plus the pending keys of uncommitted plans (for `pending_hit`)."""
+
+    __slots__ = ("a", "b")
+
+    def __init__(self, a: Container[bytes], b: Container[bytes]) -> None:
+        self.a, self.b = a, b
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.a or key in self.b
+
+
+def _probes(
+    geo: Geometry, keysets: list[Container[bytes]], req: RequestState, nu: int
+) -> dict[int, _Probe]:
+    hashes = req.chain.hashes
+    u = geo.hash_unit
+    return {g.group_id: _Probe(g, keysets[g.group_id], hashes, u, nu) for g in geo.cacheable}
+
+
+def compute_lookup(
+    geo: Geometry, pool: BlockPool, req: RequestState, pending: list[dict[bytes, int]], epoch: int
+) -> LookupResult:
+    """The lookup of spec §7 for a request that is not running."""
+    u = geo.hash_unit
+    n = req.chain.num_units
+    nu = n * u
+    top = min(len(req.tokens) - 1, nu) // u * u
+    rid = req.request_id
+    if not geo.caching_enabled or req.skip_read:
+        reason = "disabled" if not geo.caching_enabled else "skip_read"
+        return LookupResult(rid, 0, 0, top, n, epoch, reason, None, (0, 0, 0, 0))
+    probes = _probes(geo, pool.index, req, nu)
+    bounds = _bounds(geo, probes, top)
+    hit = bounds[3]
+    has_rec = any(g.kind == "recurrent" for g in geo.cacheable)
+    has_nonrec = any(g.kind != "recurrent" for g in geo.cacheable)
+    junction = bounds[2] if has_rec and has_nonrec and bounds[2] > hit else None
+    reason = _reason(geo, pool, req, probes, top, bounds)
+    pending_hit = hit
+    if any(pending[g.group_id] for g in geo.cacheable):
+        merged: list[Container[bytes]] = [
+            _Union(idx, pend) for idx, pend in zip(pool.index, pending, strict=True)
+        ]
+        pending_hit = _bounds(geo, _probes(geo, merged, req, nu), top)[3]
+    slots, copy_src, state_src = _slots(geo, pool, req, hit, nu)
+    limits = {
+        gid: p.largest(top, geo.spec_mode == "drop" and p.g.is_draft) for gid, p in probes.items()
+    }
+    return LookupResult(
+        rid,
+        hit,
+        pending_hit,
+        top,
+        n,
+        epoch,
+        reason,
+        junction,
+        bounds,
+        slots,
+        copy_src,
+        state_src,
+        limits,
+    )
+
+
+def needed_from(g: GroupGeometry, hit: int) -> int:
+    """First page of an attention group that a request resuming at `hit` needs (7.8)."""
+    if not g.cacheable or hit == 0:
+        return -(-hit // g.page_size)
+    if g.kind == "sliding":
+        return max(0, hit - g.window + 1) // g.page_size
+    if g.kind == "chunked":
+        lo = hit // g.chunk * g.chunk
+        return -(-hit // g.page_size) if lo == hit else lo // g.page_size
+    return 0
+
+
+def _slots(
+    geo: Geometry, pool: BlockPool, req: RequestState, hit: int, nu: int
+) -> tuple[dict[int, list[int]], dict[int, int | None], dict[int, int | None]]:
+    u = geo.hash_unit
+    hashes = req.chain.hashes
+    slots: dict[int, list[int]] = {}
+    copy_src: dict[int, int | None] = {}
+    state_src: dict[int, int | None] = {}
+    for g in geo.cacheable:
+        idx = pool.index[g.group_id]
+        if g.kind == "recurrent":
+            state_src[g.group_id] = idx[hashes[hit // u]] if hit else None
+            continue
+        B = g.page_size
+        first = needed_from(g, hit)
+        full_pages = hit // B
+        row = [NULL] * first
+        row.extend(idx[hashes[(j + 1) * B // u]] for j in range(first, full_pages))
+        src = None
+        if hit % B and first <= full_pages:
+            for b in range(min((full_pages + 1) * B, nu), hit - 1, -u):
+                blk = idx.get(hashes[b // u])
+                if blk is not None:
+                    src = blk
+                    break
+            row.append(src if src is not None else NULL)
+        slots[g.group_id] = row
+        copy_src[g.group_id] = src
+    return slots, copy_src, state_src

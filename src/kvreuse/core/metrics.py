@@ -1,0 +1,94 @@
+"""Counters, gauges and per-request statistics (spec §12.1, §12.2).
+
+The `prefix_cache_*` counters move only when `allocate` admits a request, so for any window of
+operations Σ cached_tokens == Δ prefix_cache_hits exactly; a server can reconcile its usage
+blocks against its Prometheus counters without tolerance.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvreuse.core.pool import BlockPool
+
+if TYPE_CHECKING:
+    from kvreuse.core.config import Geometry
+
+COUNTER_NAMES = (
+    "prefix_cache_requests",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "prefix_cache_preempted_requests",
+    "prefix_cache_preempted_queries",
+    "prefix_cache_preempted_hits",
+    "saves_published",
+    "saves_held",
+    "saves_discarded",
+    "saves_skipped",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStats:
+    """What one request got from the cache: its first admission's hit, and its latest."""
+
+    request_id: str
+    cached_tokens: int
+    reason: str
+    admissions: int
+    last_hit: int
+    last_reason: str
+
+
+def new_counters() -> Counter[str]:
+    return Counter({name: 0 for name in COUNTER_NAMES})
+
+
+def snapshot(
+    geo: Geometry,
+    pool: BlockPool,
+    counters: Counter[str],
+    reasons: Counter[str],
+    cow: Counter[str],
+    events_dropped: int,
+) -> dict[str, object]:
+    """All metrics of spec 12.1 at this moment (counters are monotonic, gauges are live)."""
+    in_use: Counter[str] = Counter()
+    cached: Counter[str] = Counter()
+    free = 0
+    kinds = {g.group_id: g.kind for g in geo.groups}
+    for b in range(1, pool.num_blocks):
+        if pool.ref[b] > 0:
+            in_use[kinds[pool.group[b]]] += 1
+        elif pool.has_keys(b):
+            cached[kinds[pool.group[b]]] += 1
+        else:
+            free += 1
+    entries: Counter[str] = Counter({"full": 0, "partial": 0, "state": 0})
+    for b in range(1, pool.num_blocks):
+        if pool.has_keys(b):
+            for boundary, _ in pool.key_list(b):
+                entries[pool.kind_of(pool.group[b], boundary)] += 1
+    num_in_use = sum(in_use.values())
+    out: dict[str, object] = {name: counters[name] for name in COUNTER_NAMES[:6]}
+    out["prefix_cache_reason_total"] = dict(reasons)
+    out["kv_entries_published_total"] = dict(pool.num_published)
+    out["kv_entries_removed_total"] = {"evicted": pool.num_removed_keys}
+    out["kv_blocks_evicted_total"] = pool.num_evicted_blocks
+    out["kv_cow_copies_total"] = dict(cow)
+    out["kv_checkpoint_saves_total"] = {
+        "published": counters["saves_published"],
+        "held": counters["saves_held"],
+        "discarded": counters["saves_discarded"],
+        "skipped": counters["saves_skipped"],
+    }
+    out["kv_events_dropped_total"] = events_dropped
+    out["kv_usage"] = num_in_use / (pool.num_blocks - 1)
+    out["kv_blocks_in_use"] = {g.kind: in_use[g.kind] for g in geo.groups}
+    out["kv_blocks_cached"] = {g.kind: cached[g.kind] for g in geo.groups}
+    out["kv_blocks_free"] = free
+    out["kv_index_entries"] = dict(entries)
+    out["kv_ghost_keys"] = len(pool.ghost)
+    return out

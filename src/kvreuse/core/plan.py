@@ -1,0 +1,72 @@
+"""The step plan handed to the engine (spec §9.7).
+
+    allocate ─► RequestPlan ─┐
+    allocate ─► RequestPlan ─┼─► seal_step() ─► StepPlan(step_id, requests, copies)
+    allocate ─► RequestPlan ─┘                  engine: copies first (E1), then the forward
+
+Plans are frozen snapshots: tables are copied when the plan is built, so later growth of the
+request never changes a plan the engine already holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """Duplicate block `src` into `dst` for every layer of the group, on every rank (E1)."""
+
+    group_id: int
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True, slots=True)
+class Save:
+    """Write the recurrent state after exactly `position` tokens into `block` (E3)."""
+
+    group_id: int
+    position: int
+    block: int
+
+
+@dataclass(frozen=True, slots=True)
+class RecurrentSlot:
+    live: int
+    scratch: tuple[int, ...]
+    init: Literal["zero", "copy", "keep"]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPlan:
+    """One request's share of a step: compute positions [start, start + num_new_tokens)."""
+
+    request_id: str
+    start: int
+    num_new_tokens: int
+    num_extra_slots: int
+    tables: dict[int, list[int]]
+    recurrent: dict[int, RecurrentSlot]
+    new_blocks: dict[int, list[int]]
+    copies: list[Copy]
+    saves: list[Save]
+    hit: int = 0
+    is_admission: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """Everything the engine needs for one forward. Empty steps need no commit."""
+
+    step_id: int
+    requests: list[RequestPlan] = field(default_factory=list)
+    copies: list[Copy] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.requests)

@@ -1,0 +1,114 @@
+"""Eviction policies (spec §11.2, §11.4): the protocol and the default intrusive LRU queue.
+
+The LRU queue is a doubly linked list threaded through two flat integer arrays, so it allocates
+no Python object per block and removes from the middle in O(1). Block 0 is the null block; it is
+never queued, so it doubles as the list's sentinel:
+
+    nxt[0] = head ─► a ─► b ─► c ─► 0        (pop takes the head: the coldest block)
+    prv[0] = tail ◄─ ...                     (keyed blocks are appended at the tail)
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class PoolView(Protocol):
+    """Read-only metadata a policy may consult at any time (spec §11.4)."""
+
+    def ref_count(self, block_id: int) -> int: ...
+    def group_id(self, block_id: int) -> int | None: ...
+    def keys(self, block_id: int) -> list[tuple[int, str]]: ...
+    def release_seq(self, block_id: int) -> int: ...
+
+
+@runtime_checkable
+class EvictionPolicy(Protocol):
+    """Orders the blocks whose reference count is 0.
+
+    Contract: deterministic; never returns a block that is in use; O(1) (at worst O(log n)) per
+    call; must not call back into the manager.
+    """
+
+    def release(self, unkeyed: Sequence[int], keyed: Sequence[int]) -> None:
+        """Queue one release batch, each list already in the order of spec §11.2."""
+
+    def remove(self, block_id: int) -> None:
+        """Take a queued block out (it was adopted by a hit)."""
+
+    def pop(self) -> int:
+        """The next block to hand out. Raises IndexError when empty."""
+
+    def __len__(self) -> int: ...
+    def __contains__(self, block_id: object) -> bool: ...
+
+
+class LRUPolicy:
+    """The normative default: unkeyed blocks at the head (reused first), keyed at the tail."""
+
+    __slots__ = ("_inq", "_len", "_nxt", "_prv")
+
+    def __init__(self, num_blocks: int) -> None:
+        self._nxt = array("l", bytes(8 * num_blocks))
+        self._prv = array("l", bytes(8 * num_blocks))
+        self._inq = bytearray(num_blocks)
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __contains__(self, block_id: object) -> bool:
+        return (
+            isinstance(block_id, int)
+            and 0 < block_id < len(self._inq)
+            and bool(self._inq[block_id])
+        )
+
+    def release(self, unkeyed: Sequence[int], keyed: Sequence[int]) -> None:
+        nxt, prv, inq = self._nxt, self._prv, self._inq
+        if unkeyed:
+            # Splice the run [u0, u1, …] in front of the current head, preserving its order.
+            old_head = nxt[0]
+            prev = 0
+            for b in unkeyed:
+                nxt[prev] = b
+                prv[b] = prev
+                inq[b] = 1
+                prev = b
+            nxt[prev] = old_head
+            prv[old_head] = prev
+        for b in keyed:
+            tail = prv[0]
+            nxt[tail] = b
+            prv[b] = tail
+            nxt[b] = 0
+            prv[0] = b
+            inq[b] = 1
+        self._len += len(unkeyed) + len(keyed)
+
+    def remove(self, block_id: int) -> None:
+        nxt, prv = self._nxt, self._prv
+        a, b = prv[block_id], nxt[block_id]
+        nxt[a] = b
+        prv[b] = a
+        self._inq[block_id] = 0
+        self._len -= 1
+
+    def pop(self) -> int:
+        head = self._nxt[0]
+        if head == 0:
+            raise IndexError("pop from an empty free queue")
+        self.remove(head)
+        return head
+
+    def order(self) -> list[int]:
+        """The queue from head to tail (tests and diagnostics)."""
+        out: list[int] = []
+        b = self._nxt[0]
+        while b:
+            out.append(b)
+            b = self._nxt[b]
+        return out

@@ -1,0 +1,107 @@
+"""Requests as the caller describes them, and the manager's per-request bookkeeping."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvreuse.core.hashing import Chain
+    from kvreuse.core.plan import RequestPlan
+
+MAX_TOKEN = 2**32
+
+
+@dataclass(frozen=True, slots=True)
+class MultiModalItem:
+    """A multimodal placeholder: `identifier` must identify the item's content (e.g. a digest)."""
+
+    identifier: str | bytes
+    offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.identifier, str | bytes):
+            raise TypeError(f"MultiModalItem.identifier must be str or bytes: {self.identifier!r}")
+        for name in ("offset", "length"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"MultiModalItem.{name} must be an int ≥ 0, got {v!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """What `add_request` registers (spec §3)."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    lora: tuple[str, str] | None = None
+    mm_items: Sequence[MultiModalItem] = ()
+    cache_salt: str | None = None
+    skip_read: bool = False
+
+
+def check_tokens(token_ids: Sequence[int], what: str) -> list[int]:
+    """Validate token ids (ints, not bools, in [0, 2^32)) and return them as a list."""
+    tokens = list(token_ids)
+    for i, t in enumerate(tokens):
+        if type(t) is not int or not 0 <= t < MAX_TOKEN:
+            raise ValueError(f"{what}: token {i} is {t!r}; token ids must be ints in [0, 2**32)")
+    return tokens
+
+
+class Phase(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False, slots=True)
+class RecurrentSlots:
+    """A request's private state blocks in one recurrent group (spec §9.3)."""
+
+    live: int = 0
+    scratch: list[int] = field(default_factory=list)
+    held: dict[int, int] = field(default_factory=dict)  # position -> block
+
+
+@dataclass(eq=False, slots=True)
+class RequestState:
+    """Everything the manager knows about one request."""
+
+    request_id: str
+    tokens: list[int]
+    prompt_len: int
+    chain: Chain
+    lora: tuple[str, str] | None
+    mm_items: tuple[MultiModalItem, ...]
+    skip_read: bool
+    phase: Phase = Phase.WAITING
+    committed: int = 0  # T
+    scheduled: int = 0  # end of the last scheduled step
+    hit: int = 0  # h of the current admission
+    tables: dict[int, list[int]] = field(default_factory=dict)  # attention group -> pages
+    recurrent: dict[int, RecurrentSlots] = field(default_factory=dict)
+    processed: dict[int, int] = field(default_factory=dict)  # d per attention group (10.3)
+    attributed: dict[int, list[int]] = field(default_factory=dict)  # boundaries published (I10)
+    planned: dict[int, dict[int, str]] = field(default_factory=dict)  # g -> {pos: purpose}
+    dense_from: int = 0  # dense positions above this are planned per step
+    published_states: dict[int, list[int]] = field(default_factory=dict)  # I13
+    open_plan: RequestPlan | None = None
+    inflight: list[int] = field(default_factory=list)  # ids of sealed, uncommitted steps
+    deferred: str | None = None  # "finish" | "preempt" while waiting for a sealed step
+    admissions: int = 0
+    first_hit: int = 0
+    first_reason: str = "not_admitted"
+    last_hit: int = 0
+    last_reason: str = "not_admitted"
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_hashed(self) -> int:
+        return self.chain.num_units

@@ -1,0 +1,104 @@
+"""The core is pure: no I/O, no torch/numpy/asyncio. Its public surface is exactly `__all__`."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import types
+from pathlib import Path
+
+import kvreuse
+import kvreuse.core
+
+CORE = Path(kvreuse.core.__file__).parent
+FORBIDDEN = {
+    "torch",
+    "numpy",
+    "asyncio",
+    "socket",
+    "threading",
+    "subprocess",
+    "io",
+    "pathlib",
+    "os.path",
+    "logging",
+    "urllib",
+    "http",
+    "multiprocessing",
+    "fastapi",
+    "uvicorn",
+    "prometheus_client",
+}
+ALLOWED_THIRD_PARTY = {"xxhash", "blake3"}
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_core_imports_no_io_or_heavy_packages() -> None:
+    for path in sorted(CORE.glob("*.py")):
+        for name in _imports(path):
+            top = name.split(".")[0]
+            assert top not in FORBIDDEN and name not in FORBIDDEN, f"{path.name} imports {name}"
+            if top not in {"kvreuse", "__future__"} and top not in ALLOWED_THIRD_PARTY:
+                spec = importlib.util.find_spec(top)
+                assert spec is not None and (
+                    spec.origin in ("built-in", "frozen") or "site-packages" not in str(spec.origin)
+                ), f"{path.name} imports third-party module {name}"
+
+
+def test_core_calls_no_open_or_print() -> None:
+    for path in sorted(CORE.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                assert node.func.id not in {"open", "print", "input"}, (
+                    f"{path.name}:{node.lineno} calls {node.func.id}()"
+                )
+
+
+def test_all_matches_public_names() -> None:
+    for mod in (kvreuse, kvreuse.core):
+        public = {
+            n
+            for n in dir(mod)
+            if not n.startswith("_") and not isinstance(getattr(mod, n), types.ModuleType)
+        }
+        exported = {n for n in mod.__all__ if not n.startswith("_")}
+        assert exported == public, f"{mod.__name__}: __all__ and public names differ"
+        assert all(hasattr(mod, n) for n in mod.__all__)
+
+
+def test_spec_surface_is_exported() -> None:
+    for name in (
+        "CacheConfig",
+        "GroupSpec",
+        "KVCacheManager",
+        "Request",
+        "MultiModalItem",
+        "LookupResult",
+        "RequestPlan",
+        "StepPlan",
+        "Copy",
+        "Save",
+        "RequestStats",
+        "ConfigError",
+        "StaleLookupError",
+        "InvariantError",
+        "EvictionPolicy",
+    ):
+        assert name in kvreuse.__all__, name
+
+
+def test_modules_stay_small() -> None:
+    for path in sorted(CORE.parent.rglob("*.py")):
+        lines = len(path.read_text().splitlines())
+        assert lines <= 420, f"{path} has {lines} lines; split it (house limit ~400)"
