@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import ast
 import importlib
+import shutil
+import subprocess
+import sys
 import types
 from pathlib import Path
+
+import pytest
 
 import kvreuse
 import kvreuse.core
@@ -102,3 +107,13 @@ def test_modules_stay_small() -> None:
     for path in sorted(CORE.parent.rglob("*.py")):
         lines = len(path.read_text().splitlines())
         assert lines <= 420, f"{path} has {lines} lines; split it (house limit ~400)"
+
+
+def test_ruff_clean() -> None:
+    """The lint gate runs with the tests, so CI and the README's test command cannot drift."""
+    ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
+    if not Path(ruff).exists():
+        pytest.skip("ruff is not installed (pip install -e '.[test]')")
+    root = CORE.parents[2]
+    proc = subprocess.run([ruff, "check", str(root)], capture_output=True, text=True, cwd=root)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

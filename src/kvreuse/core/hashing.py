@@ -181,15 +181,17 @@ def root_hash(algo: str, hash_unit: int, lookahead: int, seed: str | bytes | Non
 
 def _check_extras(lora: Lora | None, mm_items: Sequence[MMItem], cache_salt: str | None) -> None:
     # str and bytes encode differently, so a wrong type would silently split the key space.
-    if lora is not None and not (type(lora) is tuple and list(map(type, lora)) == [str, str]):
-        raise TypeError("lora must be a (name, path) tuple of str")
-    if cache_salt is not None and type(cache_salt) is not str:
-        raise TypeError("cache_salt must be str")
+    if lora is not None and not (
+        isinstance(lora, tuple) and len(lora) == 2 and all(isinstance(x, str) for x in lora)
+    ):
+        raise TypeError(f"lora must be a (name, path) tuple of str, got {lora!r}")
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise TypeError(f"cache_salt must be str, got {cache_salt!r}")
     for it in mm_items:
-        if not isinstance(it.identifier, str | bytes) or {type(it.offset), type(it.length)} != {
-            int
-        }:
-            raise TypeError("multimodal items need a str/bytes identifier and int offset, length")
+        if not isinstance(it.identifier, str | bytes):
+            raise TypeError(f"multimodal identifier must be str or bytes: {it.identifier!r}")
+        if type(it.offset) is not int or type(it.length) is not int:
+            raise TypeError(f"multimodal offset and length must be int: {it!r}")
 
 
 def _prepare(
@@ -283,12 +285,12 @@ class Chain:
         # General path: units whose X_k varies (salt, mm), and every unit in lookahead mode.
         k_end = n if la else max(n0, min(n, self._special_max))
         if k_end > n0:
-            digest, xenc = h.digest, self._xenc
+            digest, xenc, xdef, smax = h.digest, self._xenc, self._xdef, self._special_max
             parts = [h._pre, last, h._mid, b"", h._la_hdr, b"", b""]
-            for i in range(0, (k_end - n0) * step, step):
+            for k, i in enumerate(range(0, (k_end - n0) * step, step), n0 + 1):
                 j = i + step
                 parts[1], parts[3], parts[5] = last, tb[i:j], tb[j : j + lstep]
-                parts[6] = xenc(n0 + 1 + i // step)
+                parts[6] = xdef if k > smax else xenc(k)
                 last = digest(join(parts))
                 ap(last)
         if n == k_end:

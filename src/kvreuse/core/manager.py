@@ -30,10 +30,10 @@ from kvreuse.core.errors import StaleLookupError, UnknownRequestError
 from kvreuse.core.events import Event, EventLog
 from kvreuse.core.hashing import Hasher
 from kvreuse.core.lookup import LookupResult, compute_lookup
-from kvreuse.core.metrics import RequestStats, new_counters, snapshot
+from kvreuse.core.metrics import RequestStats, count_admission, new_counters, snapshot
 from kvreuse.core.plan import RequestPlan, StepPlan
 from kvreuse.core.pool import BlockPool
-from kvreuse.core.request import MultiModalItem, Phase, Request, RequestState, check_tokens
+from kvreuse.core.request import Phase, Request, RequestState, new_request_state
 from kvreuse.core.views import describe, export_entries, export_ghost, save_positions
 
 
@@ -65,33 +65,13 @@ class KVCacheManager:
     # ------------------------------------------------------------------ requests
     def add_request(self, req: Request) -> None:
         """Register a request (WAITING) and hash its prompt."""
-        rid = req.request_id
-        if not isinstance(rid, str) or not rid:
-            raise ValueError(f"request_id must be a non-empty str, got {rid!r}")
-        if rid in self.requests:
-            raise ValueError(f"request {rid!r} is already registered")
-        tokens = check_tokens(req.prompt_token_ids, f"request {rid!r}: prompt_token_ids")
-        if not tokens:
-            raise ValueError(f"request {rid!r}: the prompt is empty; at least one token is needed")
-        for name, value in (("cache_salt", req.cache_salt),):
-            if value is not None and not isinstance(value, str):
-                raise TypeError(f"request {rid!r}: {name} must be str or None, got {value!r}")
-        if req.lora is not None and (
-            not isinstance(req.lora, tuple)
-            or len(req.lora) != 2
-            or not all(isinstance(x, str) for x in req.lora)
-        ):
-            raise TypeError(
-                f"request {rid!r}: lora must be (name: str, path: str), got {req.lora!r}"
-            )
-        mm = tuple(req.mm_items)
-        if not all(isinstance(m, MultiModalItem) for m in mm):
-            raise TypeError(f"request {rid!r}: mm_items must be MultiModalItem instances")
-        chain = self.hasher.chain(lora=req.lora, mm_items=mm, cache_salt=req.cache_salt)
-        chain.extend(tokens)
-        self.requests[rid] = RequestState(
-            rid, tokens, len(tokens), chain, req.lora, mm, bool(req.skip_read)
-        )
+        if not isinstance(req, Request):
+            raise TypeError(f"add_request needs a Request, got {type(req).__name__}")
+        if req.request_id in self.requests:
+            raise ValueError(f"request {req.request_id!r} is already registered")
+        st = new_request_state(req, self.hasher)
+        self.requests[st.request_id] = st
+        rid = st.request_id
         self._finished.pop(rid, None)
 
     def _get(self, rid: str, op: str) -> RequestState:
@@ -204,7 +184,7 @@ class KVCacheManager:
             if need > free - self.config.admission_watermark_blocks:
                 return None
             rec = admit(self, st, lookup, num_new_tokens, num_extra_slots)
-            self._count_admission(st, lookup)
+            count_admission(self.counters, self.reasons, st, lookup.hit, lookup.reason)
             st.phase = Phase.RUNNING
         else:
             need = growth_required(self.geo, st, st.scheduled + num_new_tokens, num_extra_slots)
@@ -221,21 +201,6 @@ class KVCacheManager:
         self._open.append(rec)
         self.epoch += 1
         return rec.plan
-
-    def _count_admission(self, st: RequestState, res: LookupResult) -> None:
-        c = self.counters
-        if st.admissions == 0:
-            c["prefix_cache_requests"] += 1
-            c["prefix_cache_queries"] += st.prompt_len
-            c["prefix_cache_hits"] += res.hit
-            self.reasons[res.reason] += 1
-            st.first_hit, st.first_reason = res.hit, res.reason
-        else:
-            c["prefix_cache_preempted_requests"] += 1
-            c["prefix_cache_preempted_queries"] += len(st.tokens)
-            c["prefix_cache_preempted_hits"] += res.hit
-        st.admissions += 1
-        st.last_hit, st.last_reason = res.hit, res.reason
 
     # ------------------------------------------------------------------ steps
     def seal_step(self) -> StepPlan:

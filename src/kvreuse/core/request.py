@@ -8,7 +8,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvreuse.core.hashing import Chain
+    from kvreuse.core.hashing import Chain, Hasher
     from kvreuse.core.plan import RequestPlan
 
 MAX_TOKEN = 2**32
@@ -105,3 +105,26 @@ class RequestState:
     @property
     def num_hashed(self) -> int:
         return self.chain.num_units
+
+
+def new_request_state(req: Request, hasher: Hasher) -> RequestState:
+    """Validate a `Request` and hash its prompt (the chain is then extended incrementally)."""
+    rid = req.request_id
+    if not isinstance(rid, str) or not rid:
+        raise ValueError(f"request_id must be a non-empty str, got {rid!r}")
+    tokens = check_tokens(req.prompt_token_ids, f"request {rid!r}: prompt_token_ids")
+    if not tokens:
+        raise ValueError(f"request {rid!r}: the prompt is empty; at least one token is needed")
+    if req.cache_salt is not None and not isinstance(req.cache_salt, str):
+        raise TypeError(f"request {rid!r}: cache_salt must be str or None, got {req.cache_salt!r}")
+    lora = req.lora
+    if lora is not None and (
+        not isinstance(lora, tuple) or len(lora) != 2 or not all(isinstance(x, str) for x in lora)
+    ):
+        raise TypeError(f"request {rid!r}: lora must be (name: str, path: str), got {lora!r}")
+    mm = tuple(req.mm_items)
+    if not all(isinstance(m, MultiModalItem) for m in mm):
+        raise TypeError(f"request {rid!r}: mm_items must be MultiModalItem instances")
+    chain = hasher.chain(lora=lora, mm_items=mm, cache_salt=req.cache_salt)
+    chain.extend(tokens)
+    return RequestState(rid, tokens, len(tokens), chain, lora, mm, bool(req.skip_read))
