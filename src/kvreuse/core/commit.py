@@ -94,7 +94,7 @@ def apply_commit(
             _settle_saves(mgr, req, gid, by_group.get(gid, []), t_new, saved, nu, release)
             _keep_rolling(mgr, req, gid, t_new, release)
     req.committed = t_new
-    _unpend(mgr, rec)
+    unpend(mgr, rec)
     pool.release(release)
 
 
@@ -203,7 +203,7 @@ def _window_free(
             row[j] = NULL
 
 
-def _unpend(mgr: KVCacheManager, rec: PlanRecord) -> None:
+def unpend(mgr: KVCacheManager, rec: PlanRecord) -> None:
     pending = mgr.pending
     for gid, key in rec.pending_keys:
         c = pending[gid][key] - 1
@@ -235,7 +235,7 @@ def release_request(
     copies: dict[int, list[int]] = {}
     saves: dict[int, list[int]] = {}
     for rec in dropped:
-        _unpend(mgr, rec)
+        unpend(mgr, rec)
         c, s = pending_refs(rec)
         for g, blocks in c.items():
             copies.setdefault(g, []).extend(blocks)

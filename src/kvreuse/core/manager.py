@@ -299,11 +299,19 @@ class KVCacheManager:
         st.open_plan = None
         return recs
 
+    def _defer(self, st: RequestState, what: str) -> None:
+        """10.6: the release waits for the first sealed step; nothing of it will publish, so
+        its plans stop counting towards pending_hit now."""
+        st.deferred = what
+        for rec in self._records(st):
+            _commit.unpend(self, rec)
+        self.epoch += 1
+
     def finish(self, req_id: str) -> RequestStats:
         """Normal end or abort (spec §11.5); returns the request's final statistics."""
         st = self._get(req_id, "finish")
         if st.inflight:
-            st.deferred = "finish"
+            self._defer(st, "finish")
             return self._stats(st)
         if st.phase is Phase.RUNNING:
             self._release(st, self._withdraw_open(st), "finish")
@@ -319,7 +327,7 @@ class KVCacheManager:
             raise ValueError(f"preempt: request {req_id!r} is not running")
         if st.inflight:
             if st.deferred is None:
-                st.deferred = "preempt"
+                self._defer(st, "preempt")
             return
         self._release(st, self._withdraw_open(st), "preempt")
         self.epoch += 1

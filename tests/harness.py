@@ -1,0 +1,386 @@
+"""A driver that plays random histories against the core and checks it against the oracle.
+
+It plays the engine's part (prefill chunks, sampled tokens, drafts with random acceptance,
+saves it may fail to write) and after every operation asserts: `check_invariants()`, the
+replay property of events (T9), the metric identities (T6), and — at every lookup — that the
+hit, reason, junction, slots and pending_hit equal the oracle's truth (T1, T2, T4, T5, T7).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvreuse import CacheConfig, KVCacheManager, LookupResult, MultiModalItem, Request
+from kvreuse.core.pool import NULL
+from kvreuse.core.request import Phase
+from kvreuse.oracle import IdentBook, OracleRequest, expected_slots, oracle
+
+
+@dataclass
+class Known:
+    """The harness's own record of a request (never read from the manager's internals)."""
+
+    rid: str
+    prompt: list[int]
+    lora: tuple[str, str] | None
+    mm: tuple[MultiModalItem, ...]
+    salt: str | None
+    skip_read: bool
+    tokens: list[int] = field(default_factory=list)
+    max_tokens: int = 4
+    admitted: bool = False
+    first_hit: int | None = None
+
+
+class Driver:
+    def __init__(self, cfg: CacheConfig, rng: random.Random) -> None:
+        self.cfg = cfg
+        self.geo = cfg.geometry
+        self.mgr = KVCacheManager(cfg)
+        self.rng = rng
+        self.book = IdentBook(self.geo, self._hashes)
+        self.known: dict[str, Known] = {}
+        self.finished: list[Known] = []
+        self.replayed: dict[tuple[int, bytes], tuple[int, str]] = {}
+        self.dropped_events = False
+        self.hits_sum = 0
+        self.queries_sum = 0
+        self.num_first = 0
+        self.next_id = 0
+        self.num_lookups = 0
+
+    # ------------------------------------------------------------------ helpers
+    def _hashes(self, req: OracleRequest) -> list[bytes]:
+        mm = tuple(MultiModalItem(i, o, n) for i, o, n in req.mm_items)
+        chain = self.mgr.hasher.chain(lora=req.lora, mm_items=mm, cache_salt=req.cache_salt)
+        chain.extend(list(req.tokens))
+        return chain.hashes
+
+    def oracle_request(self, k: Known) -> OracleRequest:
+        return OracleRequest(
+            tuple(k.tokens), len(k.prompt), k.lora,
+            tuple((m.identifier, m.offset, m.length) for m in k.mm), k.salt, k.skip_read,
+        )
+
+    def check(self) -> None:
+        """After every operation: invariants, event replay, metric identities."""
+        mgr = self.mgr
+        mgr.check_invariants()
+        if self.cfg.enable_events:
+            for ev in mgr.take_events():
+                if ev.type == "BlockStored":
+                    for e in ev.entries:
+                        self.replayed[(ev.group_id, e.hash)] = (e.boundary, e.kind)
+                elif ev.type == "BlockRemoved":
+                    del self.replayed[(ev.group_id, ev.hash)]
+                else:
+                    self.replayed.clear()
+            if not mgr.metrics()["kv_events_dropped_total"]:
+                exported = {(g, h): (b, kind) for g, b, h, kind, _ in mgr.export_entries()}
+                assert exported == self.replayed, "event replay differs from export_entries()"
+        m = mgr.metrics()
+        assert m["prefix_cache_hits"] == self.hits_sum
+        assert m["prefix_cache_queries"] == self.queries_sum
+        assert m["prefix_cache_requests"] == self.num_first
+        for k in self.known.values():
+            if k.admitted:
+                assert mgr.request_stats(k.rid).cached_tokens == k.first_hit
+
+    # ------------------------------------------------------------------ requests
+    def new_request(self, tokens: list[int], *, salt: str | None = None,
+                    lora: tuple[str, str] | None = None, mm: tuple[MultiModalItem, ...] = (),
+                    skip_read: bool = False, max_tokens: int = 4) -> Known:
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        k = Known(rid, list(tokens), lora, mm, salt, skip_read, list(tokens), max_tokens)
+        self.mgr.add_request(Request(rid, tokens, lora=lora, mm_items=mm, cache_salt=salt,
+                                     skip_read=skip_read))
+        self.known[rid] = k
+        self.book.add(self.oracle_request(k))
+        self.check()
+        return k
+
+    def lookup(self, k: Known) -> LookupResult:
+        """A lookup checked against the oracle (T1, T2, T4, T5, T7)."""
+        mgr = self.mgr
+        res = mgr.lookup(k.rid)
+        oreq = self.oracle_request(k)
+        entries = self.book.entries(mgr.export_entries())
+        ghost = self.book.ghost(mgr.export_ghost())
+        truth = oracle(self.geo, oreq, entries, ghost)
+        assert (res.hit, res.reason, res.junction) == (truth.hit, truth.reason, truth.junction), (
+            f"{k.rid}: core {(res.hit, res.reason, res.junction)} != oracle "
+            f"{(truth.hit, truth.reason, truth.junction)}\n{res.explain()}"
+        )
+        assert res.top == truth.top and res.n == truth.n
+        if self.geo.caching_enabled and not k.skip_read:
+            assert res.bounds == truth.bounds
+        u = self.geo.hash_unit
+        assert res.hit <= max(0, len(k.tokens) - 1) and res.hit % u == 0 and res.hit <= res.n * u
+        self._check_slots(k, res, entries)
+        pending = oracle(self.geo, oreq, entries | self._pending_entries(), ghost)
+        assert res.pending_hit == pending.hit, (res.pending_hit, pending.hit)
+        self.num_lookups += 1
+        return res
+
+    def _check_slots(self, k: Known, res: LookupResult, entries: set) -> None:
+        if not self.geo.caching_enabled or k.skip_read:
+            return
+        want = expected_slots(self.geo, self.oracle_request(k), entries, res.hit)
+        hashes = self._hashes(self.oracle_request(k))
+        index = self.mgr.pool.index
+        for gid, marks in want.items():
+            if not self.geo.groups[gid].cacheable:
+                continue  # invisible to lookup (spec §4)
+            row = res.slots[gid]
+            assert len(row) == len(marks), (gid, row, marks)
+            B = self.geo.groups[gid].page_size
+            for j, (blk, mark) in enumerate(zip(row, marks, strict=True)):
+                if mark == "null":
+                    assert blk == NULL
+                elif mark == "full":
+                    assert index[gid].get(hashes[(j + 1) * B // u(self)]) == blk
+                else:
+                    assert blk == res.copy_src[gid] and blk != NULL
+        for g in self.geo.cacheable:
+            if not g.is_attention:
+                src = res.state_src[g.group_id]
+                if res.hit:
+                    assert index[g.group_id].get(hashes[res.hit // u(self)]) == src
+                else:
+                    assert src is None
+
+    def _pending_entries(self) -> set:
+        """Entries of uncommitted plans (7.8), from the plans' own tables and saves."""
+        out = set()
+        mgr = self.mgr
+        u_ = self.geo.hash_unit
+        for st in mgr.requests.values():
+            if st.phase is not Phase.RUNNING or st.deferred is not None:
+                continue
+            recs = [r for r in mgr._open if r.req is st] + [
+                r for sid in st.inflight for r in mgr._sealed[sid] if r.req is st
+            ]
+            recs = [r for r in recs if not r.withdrawn]
+            if not recs:
+                continue
+            end = max(r.plan.end for r in recs)
+            oreq = self.oracle_request(self.known[st.request_id])
+            e = min(end, st.chain.num_units * u_)
+            for gid, row in st.tables.items():
+                g = self.geo.groups[gid]
+                if not g.cacheable:
+                    continue
+                for b in range(st.processed[gid] + u_, e + 1, u_):
+                    if row[(b - 1) // g.page_size] != NULL:
+                        out.add((gid, b, self._ident(oreq, b)))
+            for r in recs:
+                for gid, c, _, _, planned in r.saves:
+                    if planned and c <= e:
+                        out.add((gid, c, self._ident(oreq, c)))
+        return out
+
+    def _ident(self, oreq: OracleRequest, b: int) -> Any:
+        from kvreuse.oracle import ident
+
+        return ident(self.geo, oreq, b)
+
+
+def u(driver: Driver) -> int:
+    return driver.geo.hash_unit
+
+
+# ---------------------------------------------------------------------------- the engine's part
+@dataclass
+class Flight:
+    """A sealed step the fake engine is running."""
+
+    step_id: int
+    plans: list[Any]
+
+
+class Engine:
+    """Plays random histories on a Driver: admissions, steps, commits, aborts, pressure."""
+
+    def __init__(self, drv: Driver, max_len: int) -> None:
+        self.drv = drv
+        self.rng = drv.rng
+        self.max_len = max_len
+        self.spec = drv.geo.spec_mode != "none"
+
+    # requests ----------------------------------------------------------------------------
+    def random_prompt(self) -> list[int]:
+        rng, pool = self.rng, self.drv.finished + list(self.drv.known.values())
+        kind = rng.choice(["cold", "resend", "extend", "diverge", "turn", "turn"])
+        if kind == "cold" or not pool:
+            return [rng.randrange(4) for _ in range(rng.randint(1, self.max_len))]
+        base = rng.choice(pool)
+        if kind == "resend":
+            return list(base.prompt)
+        if kind == "extend":
+            return base.prompt + [rng.randrange(4) for _ in range(rng.randint(1, 12))]
+        if kind == "diverge":
+            cut = rng.randint(0, len(base.prompt))
+            tail = [rng.randrange(4, 8) for _ in range(rng.randint(1, 12))]
+            return base.prompt[:cut] + tail
+        return base.tokens + [rng.randrange(4) for _ in range(rng.randint(1, 8))]
+
+    def add(self) -> Known:
+        rng = self.rng
+        tokens = self.random_prompt()[: self.max_len * 2]
+        salt = rng.choice([None, None, None, "", "t1", "t2"])
+        lora = rng.choice([None, None, None, ("fr", "/v1"), ("fr", "/v2")])
+        mm: tuple[MultiModalItem, ...] = ()
+        if rng.random() < 0.1 and len(tokens) > 2:
+            off = rng.randrange(len(tokens) - 1)
+            mm = (MultiModalItem(rng.choice(["img-a", b"img-b"]), off, rng.randint(1, 6)),)
+        return self.drv.new_request(tokens, salt=salt, lora=lora, mm=mm,
+                                    skip_read=rng.random() < 0.05,
+                                    max_tokens=rng.randint(1, 6))
+
+    # steps -------------------------------------------------------------------------------
+    def schedule(self) -> None:
+        """Admit or grow every request that has no step in flight."""
+        drv, mgr, rng = self.drv, self.drv.mgr, self.rng
+        for k in list(drv.known.values()):
+            st = mgr.requests.get(k.rid)
+            if st is None or st.inflight or st.deferred or st.open_plan is not None:
+                continue
+            if st.phase is Phase.WAITING:
+                if rng.random() < 0.2:
+                    continue
+                res = drv.lookup(k)
+                num_new = rng.randint(1, len(k.tokens) - res.hit)
+                if rng.random() < 0.6:
+                    num_new = len(k.tokens) - res.hit
+                before = _snapshot(mgr)
+                plan = mgr.allocate(k.rid, num_new, lookup=res,
+                                    num_extra_slots=rng.choice([0, 0, 1]))
+                if plan is None:
+                    assert _snapshot(mgr) == before, "a failed allocate changed state (T8)"
+                elif not k.admitted:
+                    k.admitted, k.first_hit = True, res.hit
+                    drv.hits_sum += res.hit
+                    drv.queries_sum += len(k.prompt)
+                    drv.num_first += 1
+            else:
+                num = len(k.tokens)
+                if st.scheduled < num - 1:
+                    num_new = rng.randint(1, num - st.scheduled)
+                else:
+                    num_new = 1 + (rng.randint(0, 3) if self.spec else 0)
+                before = _snapshot(mgr)
+                if mgr.allocate(k.rid, num_new) is None:
+                    assert _snapshot(mgr) == before, "a failed allocate changed state (T8)"
+            drv.check()
+
+    def outcome(self, k: Known, plan: Any) -> tuple:
+        rng, num = self.rng, len(k.tokens)
+        if plan.end < num:
+            t_new, new = plan.end, []
+        elif plan.end == num:
+            t_new, new = num, [rng.randrange(4)]
+        else:
+            accepted = rng.randint(0, plan.end - num)
+            t_new, new = num + accepted, [rng.randrange(4) for _ in range(accepted + 1)]
+        saves = [s.position for s in plan.saves]
+        saved = None if rng.random() < 0.7 else [c for c in saves if rng.random() < 0.5]
+        return (t_new, new, saved)
+
+    def run_step(self) -> None:
+        drv, mgr, rng = self.drv, self.drv.mgr, self.rng
+        self.schedule()
+        step = mgr.seal_step()
+        drv.check()
+        if not step.requests:
+            return
+        for _ in range(rng.randint(0, 2)):
+            self.chaos(inflight=step)
+        if rng.random() < 0.1:
+            mgr.discard(step.step_id)
+            self.forget_finished()
+            drv.check()
+            return
+        outcomes = {}
+        for plan in step.requests:
+            k = drv.known[plan.request_id]
+            outcomes[plan.request_id] = self.outcome(k, plan)
+        mgr.commit(step.step_id, outcomes)
+        for rid, (_, new, _) in outcomes.items():
+            st = mgr.requests.get(rid)
+            if st is not None and st.phase is Phase.RUNNING:  # not deferred: the commit applied
+                k = drv.known[rid]
+                k.tokens.extend(new)
+                drv.book.add(drv.oracle_request(k))
+        self.forget_finished()
+        drv.check()
+        for k in list(drv.known.values()):
+            st = mgr.requests.get(k.rid)
+            if st is not None and st.phase is Phase.RUNNING and not st.inflight and (
+                len(k.tokens) - len(k.prompt) >= k.max_tokens
+            ):
+                self.finish(k)
+
+    def finish(self, k: Known) -> None:
+        self.drv.mgr.finish(k.rid)
+        self.forget_finished()
+        self.drv.check()
+
+    def forget_finished(self) -> None:
+        """Requests whose (possibly deferred) finish has happened leave the live set."""
+        for k in list(self.drv.known.values()):
+            if k.rid not in self.drv.mgr.requests:
+                self.drv.known.pop(k.rid)
+                self.drv.finished.append(k)
+
+    def chaos(self, inflight: Any = None) -> None:
+        """Aborts, preemptions, targeted evictions, resets, extra lookups."""
+        drv, mgr, rng = self.drv, self.drv.mgr, self.rng
+        op = rng.choice(["finish", "preempt", "evict", "reset", "lookup", "nothing"])
+        live = list(drv.known.values())
+        if op == "finish" and live:
+            self.finish(rng.choice(live))
+        elif op == "preempt":
+            running = [k for k in live if mgr.requests[k.rid].phase is Phase.RUNNING]
+            if running:
+                mgr.preempt(rng.choice(running).rid)
+                drv.check()
+        elif op == "evict":
+            cached = [b for *_, b in mgr.export_entries() if mgr.pool.ref[b] == 0]
+            if cached:
+                mgr.evict(rng.choice(cached))
+                drv.check()
+        elif op == "reset":
+            in_use = mgr.num_free_blocks != mgr.pool.num_blocks - 1
+            before = mgr.export_entries()
+            assert mgr.reset() is (not in_use)  # T13
+            if in_use:
+                assert mgr.export_entries() == before
+            else:
+                assert mgr.export_entries() == [] and mgr.export_ghost() == []
+            drv.check()
+        elif op == "lookup":
+            waiting = [k for k in live if mgr.requests[k.rid].phase is Phase.WAITING]
+            if waiting:
+                drv.lookup(rng.choice(waiting))
+        # A finish/preempt of a request in `inflight` is deferred by the core itself.
+
+    def run(self, num_rounds: int) -> None:
+        for _ in range(num_rounds):
+            for _ in range(self.rng.choice([0, 1, 1, 2])):
+                self.add()
+            self.run_step()
+            if self.rng.random() < 0.3:
+                self.chaos()
+
+
+def _snapshot(mgr: KVCacheManager) -> tuple:
+    """Everything a failed allocate must leave unchanged (T8)."""
+    pool = mgr.pool
+    return (
+        list(pool.ref), pool.policy.order() if hasattr(pool.policy, "order") else None,
+        mgr.export_entries(), mgr.epoch, len(mgr.events.pending), mgr.events.seq,
+        dict(mgr.counters),
+    )
