@@ -50,6 +50,11 @@ class Driver:
         self.num_first = 0
         self.next_id = 0
         self.num_lookups = 0
+        self.num_resets = 0
+        self.trace: list[Any] = []  # plans, steps and events, in order (T12)
+        self.last_lookup: dict[str, tuple[int, tuple[int, int], int]] = {}
+        self.admitted_at: dict[str, tuple[int, int]] = {}
+        self.preempted = [0, 0, 0]  # requests, queries, hits of re-admissions (T6)
 
     # ------------------------------------------------------------------ helpers
     def _hashes(self, req: OracleRequest) -> list[bytes]:
@@ -60,8 +65,12 @@ class Driver:
 
     def oracle_request(self, k: Known) -> OracleRequest:
         return OracleRequest(
-            tuple(k.tokens), len(k.prompt), k.lora,
-            tuple((m.identifier, m.offset, m.length) for m in k.mm), k.salt, k.skip_read,
+            tuple(k.tokens),
+            len(k.prompt),
+            k.lora,
+            tuple((m.identifier, m.offset, m.length) for m in k.mm),
+            k.salt,
+            k.skip_read,
         )
 
     def check(self) -> None:
@@ -69,7 +78,9 @@ class Driver:
         mgr = self.mgr
         mgr.check_invariants()
         if self.cfg.enable_events:
-            for ev in mgr.take_events():
+            events = mgr.take_events()
+            self.trace.extend(events)
+            for ev in events:
                 if ev.type == "BlockStored":
                     for e in ev.entries:
                         self.replayed[(ev.group_id, e.hash)] = (e.boundary, e.kind)
@@ -84,19 +95,32 @@ class Driver:
         assert m["prefix_cache_hits"] == self.hits_sum
         assert m["prefix_cache_queries"] == self.queries_sum
         assert m["prefix_cache_requests"] == self.num_first
+        assert [
+            m["prefix_cache_preempted_requests"],
+            m["prefix_cache_preempted_queries"],
+            m["prefix_cache_preempted_hits"],
+        ] == self.preempted
         for k in self.known.values():
             if k.admitted:
                 assert mgr.request_stats(k.rid).cached_tokens == k.first_hit
 
     # ------------------------------------------------------------------ requests
-    def new_request(self, tokens: list[int], *, salt: str | None = None,
-                    lora: tuple[str, str] | None = None, mm: tuple[MultiModalItem, ...] = (),
-                    skip_read: bool = False, max_tokens: int = 4) -> Known:
+    def new_request(
+        self,
+        tokens: list[int],
+        *,
+        salt: str | None = None,
+        lora: tuple[str, str] | None = None,
+        mm: tuple[MultiModalItem, ...] = (),
+        skip_read: bool = False,
+        max_tokens: int = 4,
+    ) -> Known:
         rid = f"r{self.next_id}"
         self.next_id += 1
         k = Known(rid, list(tokens), lora, mm, salt, skip_read, list(tokens), max_tokens)
-        self.mgr.add_request(Request(rid, tokens, lora=lora, mm_items=mm, cache_salt=salt,
-                                     skip_read=skip_read))
+        self.mgr.add_request(
+            Request(rid, tokens, lora=lora, mm_items=mm, cache_salt=salt, skip_read=skip_read)
+        )
         self.known[rid] = k
         self.book.add(self.oracle_request(k))
         self.check()
@@ -122,8 +146,56 @@ class Driver:
         self._check_slots(k, res, entries)
         pending = oracle(self.geo, oreq, entries | self._pending_entries(), ghost)
         assert res.pending_hit == pending.hit, (res.pending_hit, pending.hit)
+        removed = self._removals()
+        last = self.last_lookup.get(k.rid)
+        if last is not None and last[1] == removed and last[2] == len(k.tokens):
+            assert res.hit >= last[0], f"T3: {k.rid} hit fell from {last[0]} to {res.hit}"
+        self.last_lookup[k.rid] = (res.hit, removed, len(k.tokens))
         self.num_lookups += 1
         return res
+
+    def run_to_finish(self, k: Known) -> LookupResult:
+        """Admit `k` with its whole prompt in one step, sample one token, finish it."""
+        mgr = self.mgr
+        res = self.lookup(k)
+        assert mgr.allocate(k.rid, len(k.tokens) - res.hit, lookup=res) is not None
+        self.hits_sum += res.hit
+        self.queries_sum += len(k.prompt)
+        self.num_first += 1
+        k.admitted, k.first_hit = True, res.hit
+        self.check()
+        step = mgr.seal_step()
+        mgr.commit(step.step_id, {k.rid: (len(k.tokens), [1])})
+        k.tokens.append(1)
+        self.book.add(self.oracle_request(k))
+        self.check()
+        mgr.finish(k.rid)
+        self.known.pop(k.rid)
+        self.finished.append(k)
+        self.check()
+        return res
+
+    def _removals(self) -> tuple[int, int]:
+        """Keys removed so far (evictions) and resets: T3 and T14 hold between removals."""
+        return (self.mgr.pool.num_removed_keys, self.num_resets)
+
+    def check_publication(self, rid: str) -> None:
+        """T14: after a commit, every boundary up to min(T, n·u) of the request's own pages is
+        keyed (unless a key was removed since its admission or a window freed the page)."""
+        st = self.mgr.requests.get(rid)
+        if st is None or self.admitted_at.get(rid) != self._removals():
+            return
+        u_ = self.geo.hash_unit
+        e = min(st.committed, st.chain.num_units * u_)
+        hashes = st.chain.hashes
+        for gid, row in st.tables.items():
+            g = self.geo.groups[gid]
+            if not g.cacheable or not self.geo.caching_enabled:
+                continue
+            start = st.hit // g.page_size * g.page_size
+            for b in range(start + u_, e + 1, u_):
+                if row[(b - 1) // g.page_size] != NULL:
+                    assert hashes[b // u_] in self.mgr.pool.index[gid], f"T14: {rid} g{gid} b{b}"
 
     def _check_slots(self, k: Known, res: LookupResult, entries: set) -> None:
         if not self.geo.caching_enabled or k.skip_read:
@@ -236,9 +308,14 @@ class Engine:
         if rng.random() < 0.1 and len(tokens) > 2:
             off = rng.randrange(len(tokens) - 1)
             mm = (MultiModalItem(rng.choice(["img-a", b"img-b"]), off, rng.randint(1, 6)),)
-        return self.drv.new_request(tokens, salt=salt, lora=lora, mm=mm,
-                                    skip_read=rng.random() < 0.05,
-                                    max_tokens=rng.randint(1, 6))
+        return self.drv.new_request(
+            tokens,
+            salt=salt,
+            lora=lora,
+            mm=mm,
+            skip_read=rng.random() < 0.05,
+            max_tokens=rng.randint(1, 6),
+        )
 
     # steps -------------------------------------------------------------------------------
     def schedule(self) -> None:
@@ -256,15 +333,23 @@ class Engine:
                 if rng.random() < 0.6:
                     num_new = len(k.tokens) - res.hit
                 before = _snapshot(mgr)
-                plan = mgr.allocate(k.rid, num_new, lookup=res,
-                                    num_extra_slots=rng.choice([0, 0, 1]))
+                plan = mgr.allocate(
+                    k.rid, num_new, lookup=res, num_extra_slots=rng.choice([0, 0, 1])
+                )
+                drv.trace.append(plan)
                 if plan is None:
                     assert _snapshot(mgr) == before, "a failed allocate changed state (T8)"
-                elif not k.admitted:
-                    k.admitted, k.first_hit = True, res.hit
-                    drv.hits_sum += res.hit
-                    drv.queries_sum += len(k.prompt)
-                    drv.num_first += 1
+                else:
+                    drv.admitted_at[k.rid] = drv._removals()
+                    if not k.admitted:
+                        k.admitted, k.first_hit = True, res.hit
+                        drv.hits_sum += res.hit
+                        drv.queries_sum += len(k.prompt)
+                        drv.num_first += 1
+                    else:
+                        drv.preempted[0] += 1
+                        drv.preempted[1] += len(k.tokens)
+                        drv.preempted[2] += res.hit
             else:
                 num = len(k.tokens)
                 if st.scheduled < num - 1:
@@ -293,6 +378,7 @@ class Engine:
         drv, mgr, rng = self.drv, self.drv.mgr, self.rng
         self.schedule()
         step = mgr.seal_step()
+        drv.trace.append(step)
         drv.check()
         if not step.requests:
             return
@@ -314,12 +400,16 @@ class Engine:
                 k = drv.known[rid]
                 k.tokens.extend(new)
                 drv.book.add(drv.oracle_request(k))
+                drv.check_publication(rid)
         self.forget_finished()
         drv.check()
         for k in list(drv.known.values()):
             st = mgr.requests.get(k.rid)
-            if st is not None and st.phase is Phase.RUNNING and not st.inflight and (
-                len(k.tokens) - len(k.prompt) >= k.max_tokens
+            if (
+                st is not None
+                and st.phase is Phase.RUNNING
+                and not st.inflight
+                and (len(k.tokens) - len(k.prompt) >= k.max_tokens)
             ):
                 self.finish(k)
 
@@ -356,6 +446,7 @@ class Engine:
             in_use = mgr.num_free_blocks != mgr.pool.num_blocks - 1
             before = mgr.export_entries()
             assert mgr.reset() is (not in_use)  # T13
+            drv.num_resets += not in_use
             if in_use:
                 assert mgr.export_entries() == before
             else:
@@ -380,7 +471,11 @@ def _snapshot(mgr: KVCacheManager) -> tuple:
     """Everything a failed allocate must leave unchanged (T8)."""
     pool = mgr.pool
     return (
-        list(pool.ref), pool.policy.order() if hasattr(pool.policy, "order") else None,
-        mgr.export_entries(), mgr.epoch, len(mgr.events.pending), mgr.events.seq,
+        list(pool.ref),
+        pool.policy.order() if hasattr(pool.policy, "order") else None,
+        mgr.export_entries(),
+        mgr.epoch,
+        len(mgr.events.pending),
+        mgr.events.seq,
         dict(mgr.counters),
     )
