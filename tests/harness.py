@@ -382,27 +382,18 @@ class Engine:
         drv.check()
         if not step.requests:
             return
+        steps = [step]
+        if not self.spec and rng.random() < 0.3:
+            steps.append(self.overlap(step))
         for _ in range(rng.randint(0, 2)):
-            self.chaos(inflight=step)
-        if rng.random() < 0.1:
-            mgr.discard(step.step_id)
+            self.chaos()
+        for s in steps:
+            if rng.random() < 0.1:
+                mgr.discard(s.step_id)
+            else:
+                self.commit(s)
             self.forget_finished()
             drv.check()
-            return
-        outcomes = {}
-        for plan in step.requests:
-            k = drv.known[plan.request_id]
-            outcomes[plan.request_id] = self.outcome(k, plan)
-        mgr.commit(step.step_id, outcomes)
-        for rid, (_, new, _) in outcomes.items():
-            st = mgr.requests.get(rid)
-            if st is not None and st.phase is Phase.RUNNING:  # not deferred: the commit applied
-                k = drv.known[rid]
-                k.tokens.extend(new)
-                drv.book.add(drv.oracle_request(k))
-                drv.check_publication(rid)
-        self.forget_finished()
-        drv.check()
         for k in list(drv.known.values()):
             st = mgr.requests.get(k.rid)
             if (
@@ -412,6 +403,43 @@ class Engine:
                 and (len(k.tokens) - len(k.prompt) >= k.max_tokens)
             ):
                 self.finish(k)
+
+    def overlap(self, step: Any) -> Any:
+        """Schedule the next step of `step`'s requests while it is in flight (10.6, 9.6: N̂)."""
+        drv, mgr, rng = self.drv, self.drv.mgr, self.rng
+        for plan in step.requests:
+            st = mgr.requests.get(plan.request_id)
+            if st is None or st.deferred is not None or st.open_plan is not None:
+                continue
+            num = len(st.tokens)
+            n_hat = num + (1 if plan.end >= num else 0)
+            start = st.scheduled
+            num_new = rng.randint(1, n_hat - start) if start < n_hat - 1 else 1
+            before = _snapshot(mgr)
+            if mgr.allocate(plan.request_id, num_new) is None:
+                assert _snapshot(mgr) == before
+            drv.check()
+        second = mgr.seal_step()
+        drv.trace.append(second)
+        drv.check()
+        return second
+
+    def commit(self, step: Any) -> None:
+        """Play the engine's outcome of `step` (computed now, after earlier steps committed)."""
+        drv, mgr = self.drv, self.drv.mgr
+        outcomes = {}
+        for plan in step.requests:
+            st = mgr.requests.get(plan.request_id)
+            if st is not None and st.phase is Phase.RUNNING:
+                outcomes[plan.request_id] = self.outcome(drv.known[plan.request_id], plan)
+        mgr.commit(step.step_id, outcomes)
+        for rid, (_, new, _) in outcomes.items():
+            st = mgr.requests.get(rid)
+            if st is not None and st.phase is Phase.RUNNING and st.deferred is None:
+                k = drv.known[rid]
+                k.tokens.extend(new)
+                drv.book.add(drv.oracle_request(k))
+                drv.check_publication(rid)
 
     def finish(self, k: Known) -> None:
         self.drv.mgr.finish(k.rid)
