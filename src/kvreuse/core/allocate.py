@@ -13,7 +13,7 @@ order adopt → pop fresh → pop saves, so a fresh pop never evicts a block thi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvreuse.core.lookup import LookupResult, needed_from
@@ -36,7 +36,6 @@ class PlanRecord:
     plan: RequestPlan
     saves: list[tuple[int, int, int, bool, bool]]  # (group, position, block, rolling, planned)
     copies: list[Copy]
-    pending_keys: list[tuple[int, bytes]] = field(default_factory=list)
     step_id: int = -1
     withdrawn: bool = False
 
@@ -166,8 +165,7 @@ def admit(
     geo, pool = mgr.geo, mgr.pool
     h, end = res.hit, res.hit + num_new
     # 1. adopt every hit block (shared pages, copy sources, recurrent sources).
-    for b in _hit_blocks(res):
-        pool.adopt(b)
+    pool.adopt_many(_hit_blocks(res))
     tables: dict[int, list[int]] = {}
     new_blocks: dict[int, list[int]] = {}
     copies: list[Copy] = []
@@ -190,7 +188,7 @@ def admit(
             else:
                 row = [NULL] * (h // B)
                 first_fresh = len(row)
-            row.extend(pool.pop(gid) for _ in range(-(-(end + extra) // B) - len(row)))
+            row.extend(pool.pop_many(gid, -(-(end + extra) // B) - len(row)))
             tables[gid] = row
             new_blocks[gid] = row[first_fresh:]
         else:
@@ -210,7 +208,6 @@ def admit(
     req.processed = {
         gid: h // geo.groups[gid].page_size * geo.groups[gid].page_size for gid in tables
     }
-    req.attributed = {gid: [] for gid in tables}
     req.published_states = {g.group_id: [] for g in geo.groups if not g.is_attention}
     req.planned = {}
     if geo.caching_enabled:
@@ -247,7 +244,7 @@ def grow(mgr: KVCacheManager, req: RequestState, num_new: int, extra: int) -> Pl
         gid = g.group_id
         if g.is_attention:
             row = req.tables[gid]
-            fresh = [pool.pop(gid) for _ in range(-(-(end + extra) // g.page_size) - len(row))]
+            fresh = pool.pop_many(gid, -(-(end + extra) // g.page_size) - len(row))
             row.extend(fresh)
             new_blocks[gid] = fresh
         else:

@@ -94,7 +94,6 @@ def apply_commit(
             _settle_saves(mgr, req, gid, by_group.get(gid, []), t_new, saved, nu, release)
             _keep_rolling(mgr, req, gid, t_new, release)
     req.committed = t_new
-    unpend(mgr, rec)
     pool.release(release)
 
 
@@ -102,26 +101,21 @@ def _publish_attention(mgr: KVCacheManager, req: RequestState, gid: int, e: int)
     """10.3: key every boundary in (d, E] on the request's own page; skip NULL and duplicates."""
     pool = mgr.pool
     u = mgr.geo.hash_unit
-    B = mgr.geo.groups[gid].page_size
     d = req.processed[gid]
     if e <= d:
         return
-    row, hashes, mine = req.tables[gid], req.chain.hashes, req.attributed[gid]
-    run: list[int] = []
-    events = pool.events.enabled
-    publish = pool.publish
-    for b in range(d + u, e + 1, u):
-        blk = row[(b - 1) // B]
-        if blk != NULL and publish(gid, b, hashes[b // u], blk):
-            mine.append(b)
-            if events:
-                run.append(b)
-        elif run:
-            pool.events.stored(req, gid, run)
-            run = []
-    if run:
-        pool.events.stored(req, gid, run)
+    page = mgr.geo.groups[gid].page_size
+    done = pool.publish_run(gid, range(d + u, e + 1, u), req.chain.hashes, req.tables[gid], page)
     req.processed[gid] = e // u * u
+    if done and pool.events.enabled:
+        # One BlockStored per maximal run of consecutive boundaries: a skipped duplicate or
+        # NULL page ends a run.
+        start = 0
+        for i in range(1, len(done)):
+            if done[i] - done[i - 1] != u:
+                pool.events.stored(req, gid, done[start:i])
+                start = i
+        pool.events.stored(req, gid, done[start:])
 
 
 def _settle_saves(
@@ -203,17 +197,6 @@ def _window_free(
             row[j] = NULL
 
 
-def unpend(mgr: KVCacheManager, rec: PlanRecord) -> None:
-    pending = mgr.pending
-    for gid, key in rec.pending_keys:
-        c = pending[gid][key] - 1
-        if c:
-            pending[gid][key] = c
-        else:
-            del pending[gid][key]
-    rec.pending_keys = []
-
-
 # ---------------------------------------------------------------------------- release
 def pending_refs(rec: PlanRecord) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
     """A record's pending references: copies by destination group, saves by group."""
@@ -235,7 +218,6 @@ def release_request(
     copies: dict[int, list[int]] = {}
     saves: dict[int, list[int]] = {}
     for rec in dropped:
-        unpend(mgr, rec)
         c, s = pending_refs(rec)
         for g, blocks in c.items():
             copies.setdefault(g, []).extend(blocks)
@@ -259,7 +241,7 @@ def release_request(
             order.append(slots.live)
     pool.release(order)
     req.tables, req.recurrent, req.planned = {}, {}, {}
-    req.processed, req.attributed, req.published_states = {}, {}, {}
+    req.processed, req.published_states = {}, {}
     req.committed = req.scheduled = req.hit = 0
     req.open_plan = None
     req.inflight = []

@@ -147,23 +147,28 @@ def _check_requests(mgr: KVCacheManager) -> None:
                 _fail("I3", f"waiting request {st.request_id} holds blocks")
             continue
         limit = min(st.committed, st.chain.num_units * u)
-        for gid, mine in st.attributed.items():
+        for gid, row in st.tables.items():
+            # I10/I13: the keys on the pages this admission computed or copied are this
+            # request's own boundaries in (⌊h/B⌋·B, min(T, n·u)], each on its page's block.
             g = geo.groups[gid]
-            row = st.tables[gid]
-            lo = st.hit // g.page_size * g.page_size
-            for bd in mine:
-                if not lo < bd <= limit:
-                    _fail(
-                        "I10",
-                        f"{st.request_id} group {gid} attributed boundary {bd} "
-                        f"outside ({lo}, {limit}]",
-                    )
-                if bd > limit:
-                    _fail("I13", f"{st.request_id} published {bd} above {limit}")
-                blk = row[(bd - 1) // g.page_size]
-                key = st.chain.hashes[bd // u]
-                if blk != NULL and pool.index[gid].get(key) != blk:
-                    _fail("I10", f"{st.request_id} boundary {bd} sits on another block")
+            B = g.page_size
+            lo = st.hit // B * B
+            for j in range(st.hit // B, len(row)):
+                if row[j] == NULL:
+                    continue
+                for bd, key in pool.key_list(row[j]):
+                    if not lo < bd <= limit:
+                        _fail(
+                            "I13",
+                            f"{st.request_id} group {gid} page {j} carries boundary "
+                            f"{bd} outside ({lo}, {limit}]",
+                        )
+                    if st.chain.hashes[bd // u] != key:
+                        _fail(
+                            "I10",
+                            f"{st.request_id} group {gid} page {j} carries a key at "
+                            f"{bd} that is not the request's own",
+                        )
         for states in st.published_states.values():
             for c in states:
                 if c > limit:

@@ -220,7 +220,7 @@ def _probes(
 
 
 def compute_lookup(
-    geo: Geometry, pool: BlockPool, req: RequestState, pending: list[dict[bytes, int]], epoch: int
+    geo: Geometry, pool: BlockPool, req: RequestState, pending: list[set[bytes]] | None, epoch: int
 ) -> LookupResult:
     """The lookup of spec §7 for a request that is not running."""
     u = geo.hash_unit
@@ -239,7 +239,7 @@ def compute_lookup(
     junction = bounds[2] if has_rec and has_nonrec and bounds[2] > hit else None
     reason = _reason(geo, pool, req, probes, top, bounds)
     pending_hit = hit
-    if any(pending[g.group_id] for g in geo.cacheable):
+    if pending is not None and any(pending[g.group_id] for g in geo.cacheable):
         merged: list[Container[bytes]] = [
             _Union(idx, pend) for idx, pend in zip(pool.index, pending, strict=True)
         ]

@@ -51,7 +51,6 @@ class KVCacheManager:
             config.hash_algo, self.geo.hash_unit, self.geo.lookahead, config.hash_seed
         )
         self.requests: dict[str, RequestState] = {}
-        self.pending: list[dict[bytes, int]] = [{} for _ in self.geo.groups]
         self.counters = new_counters()
         self.reasons: Counter[str] = Counter()
         self.cow: Counter[str] = Counter()
@@ -89,7 +88,24 @@ class KVCacheManager:
             raise ValueError(
                 f"lookup: request {req_id!r} is running; only waiting requests look up"
             )
-        return compute_lookup(self.geo, self.pool, st, self.pending, self.epoch)
+        return compute_lookup(self.geo, self.pool, st, self._pending_keys(), self.epoch)
+
+    def _pending_keys(self) -> list[set[bytes]] | None:
+        """Keys uncommitted plans would publish (7.8), built only when such plans exist."""
+        recs = [r for r in self._open if r.req.deferred is None]
+        recs += [
+            r
+            for rs in self._sealed.values()
+            for r in rs
+            if not r.withdrawn and r.req.deferred is None
+        ]
+        if not recs or not self.geo.caching_enabled:
+            return None
+        keys: list[set[bytes]] = [set() for _ in self.geo.groups]
+        for rec in recs:
+            for gid, key in pending_keys(self.geo, rec.req, rec):
+                keys[gid].add(key)
+        return keys
 
     def _check_alloc(
         self, req_id: str, num_new_tokens: int, lookup: LookupResult | None, num_extra_slots: int
@@ -191,10 +207,6 @@ class KVCacheManager:
             if need > free:
                 return None
             rec = grow(self, st, num_new_tokens, num_extra_slots)
-        if self.geo.caching_enabled:
-            rec.pending_keys = pending_keys(self.geo, st, rec)
-            for gid, key in rec.pending_keys:
-                self.pending[gid][key] = self.pending[gid].get(key, 0) + 1
         for c in rec.copies:
             self.cow[self.geo.groups[c.group_id].kind] += 1
         st.open_plan = rec.plan
@@ -301,10 +313,8 @@ class KVCacheManager:
 
     def _defer(self, st: RequestState, what: str) -> None:
         """10.6: the release waits for the first sealed step; nothing of it will publish, so
-        its plans stop counting towards pending_hit now."""
+        its plans stop counting towards pending_hit now (docs/decisions.md D4)."""
         st.deferred = what
-        for rec in self._records(st):
-            _commit.unpend(self, rec)
         self.epoch += 1
 
     def finish(self, req_id: str) -> RequestStats:

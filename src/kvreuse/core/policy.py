@@ -52,8 +52,8 @@ class LRUPolicy:
     __slots__ = ("_inq", "_len", "_nxt", "_prv")
 
     def __init__(self, num_blocks: int) -> None:
-        self._nxt = array("l", bytes(8 * num_blocks))
-        self._prv = array("l", bytes(8 * num_blocks))
+        self._nxt = array("i", bytes(4 * num_blocks))
+        self._prv = array("i", bytes(4 * num_blocks))
         self._inq = bytearray(num_blocks)
         self._len = 0
 
@@ -103,6 +103,22 @@ class LRUPolicy:
             raise IndexError("pop from an empty free queue")
         self.remove(head)
         return head
+
+    def pop_many(self, count: int) -> list[int]:
+        """The next `count` blocks from the head, in order, unlinked as one run."""
+        if count > self._len:
+            raise IndexError(f"pop of {count} blocks from a free queue of {self._len}")
+        nxt, inq = self._nxt, self._inq
+        out: list[int] = []
+        b = nxt[0]
+        for _ in range(count):
+            out.append(b)
+            inq[b] = 0
+            b = nxt[b]
+        nxt[0] = b
+        self._prv[b] = 0
+        self._len -= count
+        return out
 
     def order(self) -> list[int]:
         """The queue from head to tail (tests and diagnostics)."""

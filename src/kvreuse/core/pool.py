@@ -7,8 +7,10 @@ One id space serves every group. Per-block metadata lives in flat arrays (no obj
     group      -      0      0      1          -1 while neither keyed nor referenced
     keys       -      {}     {16,32} {48}      a block carries keys of one group only
 
-A block's first key is stored inline (`_key1`/`_b1`); only blocks with several keys (sub-page
-entries of a large page) pay for a list. The index maps, per group, chain hash → block id.
+A block's highest key is stored inline (`_key1`/`_b1`, so `_b1` is also the boundary the release
+order sorts by); only blocks with several keys (sub-page entries of a large page) keep the lower
+ones in a list. The index maps, per group, chain hash → block id. Arrays are 32-bit: block ids
+and token positions stay below 2³¹.
 """
 
 from __future__ import annotations
@@ -36,12 +38,14 @@ class BlockPool:
         self.geo: Geometry = geo
         self.num_blocks = n
         self.events = events
-        self.ref = array("l", bytes(8 * n))
+        self.ref = array("i", bytes(4 * n))
         self.group = array("b", b"\xff" * n)
         self._key1: list[bytes | None] = [None] * n
-        self._b1 = array("l", bytes(8 * n))
+        self._b1 = array("i", bytes(4 * n))
         self._more: dict[int, list[tuple[int, bytes]]] = {}
-        self._release_seq = array("l", bytes(8 * n))
+        # release_seq is only read by custom policies (§11.4); LRU does not pay for it.
+        self._lru = cfg.eviction_policy == "lru"
+        self._release_seq = None if self._lru else array("q", bytes(8 * n))
         self._batch = 0
         self.index: list[dict[bytes, int]] = [{} for _ in geo.groups]
         self.ghost: OrderedDict[tuple[int, bytes], int] = OrderedDict()
@@ -68,6 +72,11 @@ class BlockPool:
         return [(b, self.kind_of(self.group[block_id], b)) for b, _ in self.key_list(block_id)]
 
     def release_seq(self, block_id: int) -> int:
+        if self._release_seq is None:
+            raise ValueError(
+                "release_seq is tracked only for custom eviction policies (the built-in LRU "
+                "does not read it); configure eviction_policy=<factory> to use it"
+            )
         return self._release_seq[block_id]
 
     # ------------------------------------------------------------------ keys
@@ -82,12 +91,9 @@ class BlockPool:
         h = self._key1[block_id]
         if h is None:
             return []
-        out = [(self._b1[block_id], h)]
         more = self._more.get(block_id)
-        if more:
-            out.extend(more)
-            out.sort()
-        return out
+        top = (self._b1[block_id], h)
+        return [*more, top] if more else [top]
 
     def has_keys(self, block_id: int) -> bool:
         return self._key1[block_id] is not None
@@ -98,10 +104,7 @@ class BlockPool:
         return 1 + len(self._more.get(block_id, ()))
 
     def max_boundary(self, block_id: int) -> int:
-        best = self._b1[block_id]
-        for b, _ in self._more.get(block_id, ()):
-            best = max(best, b)
-        return best
+        return self._b1[block_id]
 
     def publish(self, group_id: int, boundary: int, key: bytes, block_id: int) -> bool:
         """Key `block_id` at `boundary`; False (nothing changes) if the key already exists."""
@@ -109,16 +112,61 @@ class BlockPool:
         if key in idx:
             return False
         idx[key] = block_id
-        if self._key1[block_id] is None:
-            self._key1[block_id] = key
-            self._b1[block_id] = boundary
-        else:
-            self._more.setdefault(block_id, []).append((boundary, key))
+        self._attach(block_id, boundary, key)
         self.group[block_id] = group_id
         if self.ghost:
             self.ghost.pop((group_id, key), None)
-        self.num_published[self.kind_of(group_id, boundary)] += 1
+        page = self._full_page[group_id]
+        self.num_published["state" if not page else "partial" if boundary % page else "full"] += 1
         return True
+
+    def _attach(self, block_id: int, boundary: int, key: bytes) -> None:
+        old = self._key1[block_id]
+        if old is None:
+            self._key1[block_id] = key
+            self._b1[block_id] = boundary
+            return
+        more = self._more.setdefault(block_id, [])
+        if boundary > self._b1[block_id]:  # the usual case: publication is ascending
+            more.append((self._b1[block_id], old))
+            self._key1[block_id] = key
+            self._b1[block_id] = boundary
+        else:
+            more.append((boundary, key))
+            more.sort()
+
+    def publish_run(
+        self, group_id: int, boundaries: range, hashes: list[bytes], row: list[int], page: int
+    ) -> list[int]:
+        """Publish each boundary b of `boundaries` on `row[(b-1)//page]` (attention, 10.3).
+
+        Skips NULL pages and existing keys; returns the boundaries published, ascending. This is
+        `publish` in a loop with the lookups hoisted out, because commit runs it per boundary.
+        """
+        idx, key1, b1, group = self.index[group_id], self._key1, self._b1, self.group
+        ghost = self.ghost
+        u = boundaries.step
+        done: list[int] = []
+        partial = 0
+        for b in boundaries:
+            blk = row[(b - 1) // page]
+            key = hashes[b // u]
+            if not blk or key in idx:
+                continue
+            idx[key] = blk
+            if key1[blk] is None:
+                key1[blk] = key
+                b1[blk] = b
+            else:
+                self._attach(blk, b, key)
+            group[blk] = group_id
+            if ghost:
+                ghost.pop((group_id, key), None)
+            done.append(b)
+            partial += b % page != 0
+        self.num_published["partial"] += partial
+        self.num_published["full"] += len(done) - partial
+        return done
 
     # ------------------------------------------------------------------ references
     def adopt(self, block_id: int) -> None:
@@ -126,6 +174,14 @@ class BlockPool:
         if self.ref[block_id] == 0:
             self.policy.remove(block_id)
         self.ref[block_id] += 1
+
+    def adopt_many(self, blocks: Iterable[int]) -> None:
+        ref, remove = self.ref, self.policy.remove
+        for b in blocks:
+            c = ref[b]
+            if not c:
+                remove(b)
+            ref[b] = c + 1
 
     def pop(self, group_id: int) -> int:
         """Hand out the policy's next block with count 1, evicting its keys first."""
@@ -135,6 +191,21 @@ class BlockPool:
         self.ref[block_id] = 1
         self.group[block_id] = group_id
         return block_id
+
+    def pop_many(self, group_id: int, count: int) -> list[int]:
+        """`pop` × count: the same blocks, order and evictions, with one unlink under LRU."""
+        if count <= 0:
+            return []
+        if not self._lru:
+            return [self.pop(group_id) for _ in range(count)]
+        out = self.policy.pop_many(count)  # type: ignore[attr-defined]
+        key1, ref, group = self._key1, self.ref, self.group
+        for b in out:
+            if key1[b] is not None:
+                self._evict_keys(b)
+            ref[b] = 1
+            group[b] = group_id
+        return out
 
     def release(self, ordered: Iterable[int]) -> None:
         """Drop one reference per occurrence; queue the blocks that reach 0 as one batch.
@@ -155,20 +226,25 @@ class BlockPool:
 
     def _queue(self, zero: list[int]) -> None:
         self._batch += 1
-        seq = self._batch
+        if self._release_seq is not None:
+            for b in zero:
+                self._release_seq[b] = self._batch
         key1 = self._key1
         unkeyed: list[int] = []
         keyed: list[int] = []
         for b in zero:
-            self._release_seq[b] = seq
             if key1[b] is None:
                 self.group[b] = -1
                 unkeyed.append(b)
             else:
                 keyed.append(b)
         if len(keyed) > 1:
-            group = self.group
-            keyed.sort(key=lambda b: (-self.max_boundary(b), group[b], b))
+            # Decreasing highest boundary, then ascending group, then ascending id: three
+            # stable C-level sorts, least significant first (reverse=True keeps ties stable).
+            keyed.sort()
+            if len(self.index) > 1:
+                keyed.sort(key=self.group.__getitem__)
+            keyed.sort(key=self._b1.__getitem__, reverse=True)
         self.policy.release(unkeyed, keyed)
 
     # ------------------------------------------------------------------ eviction and reset
@@ -189,7 +265,13 @@ class BlockPool:
         events = self.events
         ghost = self.ghost
         cap = self.ghost_capacity
-        for b, key in self.key_list(block_id):
+        more = self._more.pop(block_id, None)
+        pairs = (
+            [*more, (self._b1[block_id], self._key1[block_id])]
+            if more
+            else ((self._b1[block_id], self._key1[block_id]),)
+        )
+        for b, key in pairs:
             del idx[key]
             if events.enabled:
                 events.removed(g, key, b, self.kind_of(g, b))
@@ -199,7 +281,6 @@ class BlockPool:
                     ghost.popitem(last=False)
             self.num_removed_keys += 1
         self._key1[block_id] = None
-        self._more.pop(block_id, None)
         self.num_evicted_blocks += 1
 
     def clear_keys(self) -> None:

@@ -85,7 +85,6 @@ class RequestState:
     tables: dict[int, list[int]] = field(default_factory=dict)  # attention group -> pages
     recurrent: dict[int, RecurrentSlots] = field(default_factory=dict)
     processed: dict[int, int] = field(default_factory=dict)  # d per attention group (10.3)
-    attributed: dict[int, list[int]] = field(default_factory=dict)  # boundaries published (I10)
     planned: dict[int, dict[int, str]] = field(default_factory=dict)  # g -> {pos: purpose}
     dense_from: int = 0  # dense positions above this are planned per step
     published_states: dict[int, list[int]] = field(default_factory=dict)  # I13
