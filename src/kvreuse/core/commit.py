@@ -231,7 +231,7 @@ def release_request(
         if g.is_attention:
             row = req.tables.get(gid, [])
             order.extend(copies.get(gid, ()))  # withdrawn copies: dst is also in the table
-            order.extend(b for b in reversed(row) if b != NULL)
+            order.extend([b for b in reversed(row) if b])
         elif gid in req.recurrent:
             slots = req.recurrent[gid]
             order.extend(saves.get(gid, ()))

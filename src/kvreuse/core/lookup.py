@@ -66,6 +66,23 @@ class LookupResult:
         return "\n".join(lines)
 
 
+def _full_run(keys: Container[bytes], hashes: list[bytes], step: int, num_pages: int) -> int:
+    """The number of leading pages whose full key is in `keys`.
+
+    Probed in C (`map` over a strided slice) in chunks that grow ×4, so a long hit costs a few
+    C loops and a miss on the first page costs one small one.
+    """
+    contains = keys.__contains__
+    run, chunk = 0, 16
+    while run < num_pages:
+        stop = min(run + chunk, num_pages)
+        flags = list(map(contains, hashes[(run + 1) * step : stop * step + 1 : step]))
+        if not all(flags):
+            return run + flags.index(False)
+        run, chunk = stop, chunk * 4
+    return run
+
+
 class _Probe:
     """Acceptance of one group for one request over one key set (index, maybe plus pending)."""
 
@@ -85,10 +102,8 @@ class _Probe:
         self.hi: list[int] = []
         B = g.page_size
         if g.kind == "full":
-            step, k, top_k = B // u, B // u, nu // u
-            while k <= top_k and hashes[k] in keys:  # leading run of full pages
-                k += step
-            q_end = k - step  # boundary (in units) of the last full page
+            step = B // u
+            q_end = _full_run(keys, hashes, step, nu // B) * step  # units of the last full page
             self.F = q_end * u
             for b in range(min(q_end * u + B, nu), q_end * u, -u):  # page q, highest first
                 if hashes[b // u] in keys:
@@ -294,7 +309,8 @@ def _slots(
         first = needed_from(g, hit)
         full_pages = hit // B
         row = [NULL] * first
-        row.extend(idx[hashes[(j + 1) * B // u]] for j in range(first, full_pages))
+        k = B // u  # units per page: the full key of page j is H[(j + 1)·k]
+        row.extend(map(idx.__getitem__, hashes[(first + 1) * k : full_pages * k + 1 : k]))
         src = None
         if hit % B and first <= full_pages:
             for b in range(min((full_pages + 1) * B, nu), hit - 1, -u):

@@ -146,11 +146,14 @@ class BlockPool:
         idx, key1, b1, group = self.index[group_id], self._key1, self._b1, self.group
         ghost = self.ghost
         u = boundaries.step
+        keys = hashes[boundaries.start // u : boundaries.stop // u + (boundaries.stop % u > 0)]
+        if page == u:  # every boundary is a page end: the pages are a plain slice of the row
+            blocks = row[boundaries.start // u - 1 : boundaries.start // u - 1 + len(keys)]
+        else:
+            blocks = [row[(b - 1) // page] for b in boundaries]
         done: list[int] = []
         partial = 0
-        for b in boundaries:
-            blk = row[(b - 1) // page]
-            key = hashes[b // u]
+        for b, key, blk in zip(boundaries, keys, blocks, strict=True):
             if not blk or key in idx:
                 continue
             idx[key] = blk
@@ -199,12 +202,28 @@ class BlockPool:
         if not self._lru:
             return [self.pop(group_id) for _ in range(count)]
         out = self.policy.pop_many(count)  # type: ignore[attr-defined]
-        key1, ref, group = self._key1, self.ref, self.group
+        key1, ref, group, b1 = self._key1, self.ref, self.group, self._b1
+        slow = self.events.enabled or bool(self._more)
+        ghost, cap, index = self.ghost, self.ghost_capacity, self.index
+        evicted = 0
         for b in out:
-            if key1[b] is not None:
-                self._evict_keys(b)
+            key = key1[b]
+            if key is not None:
+                if slow:
+                    self._evict_keys(b)
+                else:  # one key, no events: `_evict_keys` inlined (the hot path under pressure)
+                    g = group[b]
+                    del index[g][key]
+                    if cap:
+                        ghost[(g, key)] = b1[b]
+                        if len(ghost) > cap:
+                            ghost.popitem(last=False)
+                    key1[b] = None
+                    evicted += 1
             ref[b] = 1
             group[b] = group_id
+        self.num_removed_keys += evicted
+        self.num_evicted_blocks += evicted
         return out
 
     def release(self, ordered: Iterable[int]) -> None:
