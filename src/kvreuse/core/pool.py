@@ -16,10 +16,10 @@ and token positions stay below 2³¹.
 from __future__ import annotations
 
 from array import array
-from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from kvreuse.core.ghost import GhostRecord
 from kvreuse.core.policy import EvictionPolicy, LRUPolicy
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ class BlockPool:
         self._release_seq = None if self._lru else array("q", bytes(8 * n))
         self._batch = 0
         self.index: list[dict[bytes, int]] = [{} for _ in geo.groups]
-        self.ghost: OrderedDict[tuple[int, bytes], int] = OrderedDict()
+        self.ghost = GhostRecord(len(geo.groups), geo.ghost_capacity)
         self.ghost_capacity = geo.ghost_capacity
         self._full_page = [g.page_size if g.is_attention else 0 for g in geo.groups]
         self.num_evicted_blocks = 0
@@ -115,7 +115,7 @@ class BlockPool:
         self._attach(block_id, boundary, key)
         self.group[block_id] = group_id
         if self.ghost:
-            self.ghost.pop((group_id, key), None)
+            self.ghost.discard(group_id, key)
         page = self._full_page[group_id]
         self.num_published["state" if not page else "partial" if boundary % page else "full"] += 1
         return True
@@ -145,6 +145,7 @@ class BlockPool:
         """
         idx, key1, b1, group = self.index[group_id], self._key1, self._b1, self.group
         ghost = self.ghost
+        ghost_g = ghost.by_group[group_id]
         u = boundaries.step
         keys = hashes[boundaries.start // u : boundaries.stop // u + (boundaries.stop % u > 0)]
         if page == u:  # every boundary is a page end: the pages are a plain slice of the row
@@ -163,8 +164,8 @@ class BlockPool:
             else:
                 self._attach(blk, b, key)
             group[blk] = group_id
-            if ghost:
-                ghost.pop((group_id, key), None)
+            if ghost_g and ghost_g.pop(key, None) is not None:
+                ghost.size -= 1
             done.append(b)
             partial += b % page != 0
         self.num_published["partial"] += partial
@@ -204,7 +205,7 @@ class BlockPool:
         out = self.policy.pop_many(count)  # type: ignore[attr-defined]
         key1, ref, group, b1 = self._key1, self.ref, self.group, self._b1
         slow = self.events.enabled or bool(self._more)
-        ghost, cap, index = self.ghost, self.ghost_capacity, self.index
+        add_ghost, index = self.ghost.add, self.index
         evicted = 0
         for b in out:
             key = key1[b]
@@ -214,10 +215,7 @@ class BlockPool:
                 else:  # one key, no events: `_evict_keys` inlined (the hot path under pressure)
                     g = group[b]
                     del index[g][key]
-                    if cap:
-                        ghost[(g, key)] = b1[b]
-                        if len(ghost) > cap:
-                            ghost.popitem(last=False)
+                    add_ghost(g, key, b1[b])
                     key1[b] = None
                     evicted += 1
             ref[b] = 1
@@ -282,8 +280,7 @@ class BlockPool:
         g = self.group[block_id]
         idx = self.index[g]
         events = self.events
-        ghost = self.ghost
-        cap = self.ghost_capacity
+        add_ghost = self.ghost.add
         more = self._more.pop(block_id, None)
         pairs = (
             [*more, (self._b1[block_id], self._key1[block_id])]
@@ -294,10 +291,7 @@ class BlockPool:
             del idx[key]
             if events.enabled:
                 events.removed(g, key, b, self.kind_of(g, b))
-            if cap:
-                ghost[(g, key)] = b
-                if len(ghost) > cap:
-                    ghost.popitem(last=False)
+            add_ghost(g, key, b)
             self.num_removed_keys += 1
         self._key1[block_id] = None
         self.num_evicted_blocks += 1
@@ -320,4 +314,4 @@ class BlockPool:
         return len(self.policy)
 
     def in_ghost(self, group_id: int, key: bytes) -> bool:
-        return (group_id, key) in self.ghost
+        return key in self.ghost.by_group[group_id]

@@ -24,7 +24,7 @@ def export_entries(pool: BlockPool) -> list[tuple[int, int, bytes, str, int]]:
 
 def export_ghost(pool: BlockPool) -> list[tuple[int, int, bytes]]:
     """(group_id, boundary, hash) for every key of the ghost record, oldest first."""
-    return [(g, b, h) for (g, h), b in pool.ghost.items()]
+    return pool.ghost.entries()
 
 
 def save_positions(
