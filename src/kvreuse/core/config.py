@@ -88,6 +88,8 @@ class Geometry:
     spec_mode: str
     dense_retention: bool
     cacheable: tuple[GroupGeometry, ...]  # the prefix-cacheable groups, in id order
+    only_full: bool  # every cacheable group is full attention with no drop margin: A1 = … = A4
+    has_junction: bool  # recurrent and non-recurrent cacheable groups: a junction may exist
 
 
 @dataclass(frozen=True)
@@ -327,4 +329,8 @@ def _resolve(cfg: CacheConfig) -> Geometry:
         spec_mode=cfg.spec_mode,
         dense_retention=cfg.recurrent_retention == "dense",
         cacheable=tuple(cacheable),
+        only_full=all(g.kind == "full" for g in cacheable)
+        and not (cfg.spec_mode == "drop" and any(g.is_draft for g in cacheable)),
+        has_junction=any(g.kind == "recurrent" for g in cacheable)
+        and any(g.kind != "recurrent" for g in cacheable),
     )

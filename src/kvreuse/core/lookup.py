@@ -172,6 +172,9 @@ def _fixed_point(probes: list[tuple[_Probe, bool]], start: int) -> int:
 
 
 def _bounds(geo: Geometry, probes: dict[int, _Probe], top: int) -> tuple[int, int, int, int]:
+    if geo.only_full:  # full attention is downward-closed: the fixed point is min(top, F_g)
+        a = min(top, *(p.F for p in probes.values()))
+        return a, a, a, a
     drop = geo.spec_mode == "drop"
     full = [p for p in probes.values() if p.g.kind == "full"]
     nonrec = [p for p in probes.values() if p.g.kind != "recurrent"]
@@ -249,9 +252,7 @@ def compute_lookup(
     probes = _probes(geo, pool.index, req, nu)
     bounds = _bounds(geo, probes, top)
     hit = bounds[3]
-    has_rec = any(g.kind == "recurrent" for g in geo.cacheable)
-    has_nonrec = any(g.kind != "recurrent" for g in geo.cacheable)
-    junction = bounds[2] if has_rec and has_nonrec and bounds[2] > hit else None
+    junction = bounds[2] if geo.has_junction and bounds[2] > hit else None
     reason = _reason(geo, pool, req, probes, top, bounds)
     pending_hit = hit
     if pending is not None and any(pending[g.group_id] for g in geo.cacheable):
