@@ -51,6 +51,7 @@ class Driver:
         self.next_id = 0
         self.num_lookups = 0
         self.num_resets = 0
+        self.last_seq = 0
         self.trace: list[Any] = []  # plans, steps and events, in order (T12)
         self.last_lookup: dict[str, tuple[int, tuple[int, int], int]] = {}
         self.admitted_at: dict[str, tuple[int, int]] = {}
@@ -79,6 +80,9 @@ class Driver:
         mgr.check_invariants()
         if self.cfg.enable_events:
             events = mgr.take_events()
+            for ev in events:  # T9: seq grows by exactly 1 per event of any type
+                assert ev.seq == self.last_seq + 1, (ev.seq, self.last_seq)
+                self.last_seq = ev.seq
             self.trace.extend(events)
             for ev in events:
                 if ev.type == "BlockStored":
@@ -174,6 +178,26 @@ class Driver:
         self.finished.append(k)
         self.check()
         return res
+
+    def lacks_state(self, k: Known, position: int | None) -> dict[int, bool]:
+        """Per recurrent group: is there no state at `position` for this request's chain?"""
+        if position is None:
+            return {}
+        key = self.mgr.requests[k.rid].chain.hashes[position // self.geo.hash_unit]
+        return {
+            g.group_id: key not in self.mgr.pool.index[g.group_id]
+            for g in self.geo.cacheable
+            if not g.is_attention
+        }
+
+    def check_junction_saves(self, k: Known, res: LookupResult, lacks: dict[int, bool]) -> None:
+        """T5: saves at the junction J are planned exactly in the recurrent groups that lacked a
+        state at J when the request looked up."""
+        if res.junction is None:
+            return
+        planned = self.mgr.requests[k.rid].planned
+        for gid, missing in lacks.items():
+            assert (res.junction in planned[gid]) == missing, (gid, res.junction)
 
     def _removals(self) -> tuple[int, int]:
         """Keys removed so far (evictions) and resets: T3 and T14 hold between removals."""
@@ -333,6 +357,7 @@ class Engine:
                 if rng.random() < 0.6:
                     num_new = len(k.tokens) - res.hit
                 before = _snapshot(mgr)
+                lacks = drv.lacks_state(k, res.junction)
                 plan = mgr.allocate(
                     k.rid, num_new, lookup=res, num_extra_slots=rng.choice([0, 0, 1])
                 )
@@ -340,6 +365,7 @@ class Engine:
                 if plan is None:
                     assert _snapshot(mgr) == before, "a failed allocate changed state (T8)"
                 else:
+                    drv.check_junction_saves(k, res, lacks)
                     drv.admitted_at[k.rid] = drv._removals()
                     if not k.admitted:
                         k.admitted, k.first_hit = True, res.hit

@@ -164,6 +164,13 @@ def admit(
     """Take the references of an admission that is known to fit (9.5 steps 1–3)."""
     geo, pool = mgr.geo, mgr.pool
     h, end = res.hit, res.hit + num_new
+    # 0. fix the planned checkpoint positions on the index the lookup saw (before any pop can
+    #    evict), so they equal what save_positions(req, lookup) reported.
+    req.planned = {}
+    if geo.caching_enabled:
+        for g in geo.groups:
+            if not g.is_attention:
+                req.planned[g.group_id] = planned_positions(geo, mgr, req, g, h, res.junction)
     # 1. adopt every hit block (shared pages, copy sources, recurrent sources).
     pool.adopt_many(_hit_blocks(res))
     tables: dict[int, list[int]] = {}
@@ -209,11 +216,6 @@ def admit(
         gid: h // geo.groups[gid].page_size * geo.groups[gid].page_size for gid in tables
     }
     req.published_states = {g.group_id: [] for g in geo.groups if not g.is_attention}
-    req.planned = {}
-    if geo.caching_enabled:
-        for g in geo.groups:
-            if not g.is_attention:
-                req.planned[g.group_id] = planned_positions(geo, mgr, req, g, h, res.junction)
     req.dense_from = req.chain.num_units * geo.hash_unit
     # 3. saves, best effort.
     saves = _pop_saves(mgr, req, h, end)
