@@ -120,14 +120,18 @@ def _build(geo: Geometry, r: tuple[Any, ...]) -> Event:
     start = (boundaries[0] - 1) // page * page
     last = boundaries[-1]
     tokens = req.tokens
-    extra = tuple(
-        tuple(
-            key
-            for key in unit_extra_keys(k, u, lookahead, req.lora, req.mm_items, None)
-            if key[0] == "mm"
+    units = range(start // u + 1, last // u + 1)
+    if req.mm_items:
+        extra = tuple(
+            tuple(
+                key
+                for key in unit_extra_keys(k, u, lookahead, req.lora, req.mm_items, None)
+                if key[0] == "mm"
+            )
+            for k in units
         )
-        for k in range(start // u + 1, last // u + 1)
-    )
+    else:  # the common case: no multimodal item, so every unit's mm keys are empty
+        extra = ((),) * len(units)
     return BlockStored(
         seq=seq,
         group_id=gid,
