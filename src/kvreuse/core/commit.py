@@ -245,6 +245,7 @@ def release_request(
     req.committed = req.scheduled = req.hit = 0
     req.open_plan = None
     req.inflight = []
+    req.parked = []
     req.deferred = None
     req.phase = Phase.FINISHED if then == "finish" else Phase.WAITING
 

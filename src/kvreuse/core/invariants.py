@@ -48,9 +48,10 @@ def check_invariants(mgr: KVCacheManager) -> None:
                 refs[b] += 1
                 holders.setdefault(b, set()).add(gid)
     recs = list(mgr._open) + [r for recs in mgr._sealed.values() for r in recs]
-    for rec in recs:
-        if rec.withdrawn:
-            continue
+    parked = [r for st in mgr.requests.values() for r in st.parked]
+    for rec in recs + parked:
+        if rec.withdrawn and rec not in parked:
+            continue  # released already with its request
         for c in rec.copies:
             refs[c.src] += 1
             refs[c.dst] += 1

@@ -34,6 +34,7 @@ from kvreuse.core.metrics import RequestStats, count_admission, new_counters, sn
 from kvreuse.core.plan import RequestPlan, StepPlan
 from kvreuse.core.pool import BlockPool
 from kvreuse.core.request import Phase, Request, RequestState, new_request_state
+from kvreuse.core.rules import check_allocate
 from kvreuse.core.views import describe, export_entries, export_ghost, save_positions
 
 
@@ -111,53 +112,15 @@ class KVCacheManager:
         self, req_id: str, num_new_tokens: int, lookup: LookupResult | None, num_extra_slots: int
     ) -> RequestState:
         st = self._get(req_id, "allocate")
-        for name, v in (("num_new_tokens", num_new_tokens), ("num_extra_slots", num_extra_slots)):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ValueError(f"allocate: {name} must be an int, got {v!r}")
-        if num_new_tokens < 1 or num_extra_slots < 0:
-            raise ValueError(
-                f"allocate: need num_new_tokens ≥ 1 and num_extra_slots ≥ 0 "
-                f"(got {num_new_tokens}, {num_extra_slots})"
-            )
-        if st.open_plan is not None:
-            raise ValueError(f"allocate: request {req_id!r} already has a plan in the open step")
-        if st.phase is Phase.WAITING:
-            if lookup is None:
-                raise ValueError(f"allocate: admitting {req_id!r} needs its LookupResult")
-            if lookup.request_id != req_id or lookup.epoch != self.epoch:
-                raise StaleLookupError(
-                    f"allocate: the lookup of {lookup.request_id!r} is from epoch {lookup.epoch}, "
-                    f"the manager is at {self.epoch}; call lookup() again"
-                )
-            if lookup.hit + num_new_tokens > len(st.tokens):
-                raise ValueError(
-                    f"allocate: hit {lookup.hit} + num_new_tokens {num_new_tokens} exceeds "
-                    f"the request's {len(st.tokens)} tokens"
-                )
-            return st
-        if lookup is not None:
-            raise ValueError(f"allocate: {req_id!r} is running; growth takes no lookup")
-        if st.deferred is not None:
-            raise ValueError(f"allocate: {req_id!r} has a deferred {st.deferred}; it cannot grow")
-        self._check_growth(st, num_new_tokens)
-        return st
-
-    def _check_growth(self, st: RequestState, num_new: int) -> None:
-        num = len(st.tokens)
-        n_hat = num + sum(
-            1 for rec in self._records(st) if rec.plan.end >= num and not rec.withdrawn
+        check_allocate(
+            st,
+            num_new_tokens,
+            lookup,
+            num_extra_slots,
+            self.epoch,
+            in_flight_ends=[r.plan.end for r in self._records(st) if not r.withdrawn],
         )
-        start, end = st.scheduled, st.scheduled + num_new
-        if start < n_hat - 1 and end > n_hat:
-            raise ValueError(
-                f"allocate: {st.request_id!r} prefill from start={start} to end={end} passes "
-                f"N={n_hat}; the limit is end ≤ {n_hat}"
-            )
-        if start > n_hat - 1:
-            raise ValueError(
-                f"allocate: {st.request_id!r} has start={start} > N−1={n_hat - 1}; a step that "
-                "verifies drafts must commit before the request grows again"
-            )
+        return st
 
     def _records(self, st: RequestState) -> list[PlanRecord]:
         return [r for sid in st.inflight for r in self._sealed[sid] if r.req is st]
@@ -283,7 +246,7 @@ class KVCacheManager:
             if step_id in st.inflight:
                 st.inflight.remove(step_id)
             then = st.deferred or "preempt"
-            dropped = [rec, *self._withdraw_later(st)]
+            dropped = [rec, *self._withdraw_later(st), *st.parked]
             self._release(st, dropped, then)
 
     def _withdraw_later(self, st: RequestState) -> list[PlanRecord]:
@@ -315,13 +278,19 @@ class KVCacheManager:
         """10.6: the release waits for the first sealed step; nothing of it will publish, so
         its plans stop counting towards pending_hit now (docs/decisions.md D4)."""
         st.deferred = what
+        # A plan still in the open step is withdrawn now (10.6), so the engine never runs it;
+        # its references are released with the deferred release, in the same batch.
+        for rec in self._withdraw_open(st):
+            rec.withdrawn = True
+            st.parked.append(rec)
         self.epoch += 1
 
     def finish(self, req_id: str) -> RequestStats:
         """Normal end or abort (spec §11.5); returns the request's final statistics."""
         st = self._get(req_id, "finish")
         if st.inflight:
-            self._defer(st, "finish")
+            if st.deferred != "finish":  # a repeated finish changes nothing
+                self._defer(st, "finish")
             return self._stats(st)
         if st.phase is Phase.RUNNING:
             self._release(st, self._withdraw_open(st), "finish")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvreuse.core.hashing import Chain, Hasher
@@ -91,6 +91,7 @@ class RequestState:
     open_plan: RequestPlan | None = None
     inflight: list[int] = field(default_factory=list)  # ids of sealed, uncommitted steps
     deferred: str | None = None  # "finish" | "preempt" while waiting for a sealed step
+    parked: list[Any] = field(default_factory=list)  # open plans withdrawn by a deferral
     admissions: int = 0
     first_hit: int = 0
     first_reason: str = "not_admitted"
