@@ -11,18 +11,18 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 
-_SHIFT = 32  # value = seq << 32 | boundary (boundaries stay below 2³¹)
-_MASK = (1 << _SHIFT) - 1
+GHOST_SHIFT = 32  # value = seq << 32 | boundary (boundaries stay below 2³¹)
+_MASK = (1 << GHOST_SHIFT) - 1
 
 
 class GhostRecord:
-    __slots__ = ("_seq", "by_group", "capacity", "size")
+    __slots__ = ("by_group", "capacity", "seq", "size")
 
     def __init__(self, num_groups: int, capacity: int) -> None:
         self.by_group: list[OrderedDict[bytes, int]] = [OrderedDict() for _ in range(num_groups)]
         self.capacity = capacity
         self.size = 0
-        self._seq = 0
+        self.seq = 0
 
     def __len__(self) -> int:
         return self.size
@@ -37,18 +37,19 @@ class GhostRecord:
     def add(self, group_id: int, key: bytes, boundary: int) -> None:
         if not self.capacity:
             return
-        self._seq += 1
-        self.by_group[group_id][key] = self._seq << _SHIFT | boundary
+        self.seq += 1
+        self.by_group[group_id][key] = self.seq << GHOST_SHIFT | boundary
         self.size += 1
         if self.size > self.capacity:
-            self._trim()
+            self.trim()
 
     def discard(self, group_id: int, key: bytes) -> None:
         """A key leaves the record when it is published again."""
         if self.by_group[group_id].pop(key, None) is not None:
             self.size -= 1
 
-    def _trim(self) -> None:
+    def trim(self) -> None:
+        """Drop the oldest keys until the record fits its capacity."""
         groups = self.by_group
         while self.size > self.capacity:
             if len(groups) == 1:

@@ -19,7 +19,7 @@ from array import array
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from kvreuse.core.ghost import GhostRecord
+from kvreuse.core.ghost import GHOST_SHIFT, GhostRecord
 from kvreuse.core.policy import EvictionPolicy, LRUPolicy
 
 if TYPE_CHECKING:
@@ -205,7 +205,9 @@ class BlockPool:
         out = self.policy.pop_many(count)  # type: ignore[attr-defined]
         key1, ref, group, b1 = self._key1, self.ref, self.group, self._b1
         slow = self.events.enabled or bool(self._more)
-        add_ghost, index = self.ghost.add, self.index
+        ghost, index = self.ghost, self.index
+        ghosts = ghost.by_group if ghost.capacity else None
+        seq = ghost.seq
         evicted = 0
         for b in out:
             key = key1[b]
@@ -215,13 +217,20 @@ class BlockPool:
                 else:  # one key, no events: `_evict_keys` inlined (the hot path under pressure)
                     g = group[b]
                     del index[g][key]
-                    add_ghost(g, key, b1[b])
+                    if ghosts is not None:  # GhostRecord.add, trimmed once below
+                        seq += 1
+                        ghosts[g][key] = seq << GHOST_SHIFT | b1[b]
                     key1[b] = None
                     evicted += 1
             ref[b] = 1
             group[b] = group_id
-        self.num_removed_keys += evicted
-        self.num_evicted_blocks += evicted
+        if evicted:
+            self.num_removed_keys += evicted
+            self.num_evicted_blocks += evicted
+            if ghosts is not None:
+                ghost.seq = seq
+                ghost.size += evicted
+                ghost.trim()
         return out
 
     def release(self, ordered: Iterable[int]) -> None:
