@@ -12,7 +12,6 @@ order adopt → pop fresh → pop saves, so a fresh pop never evicts a block thi
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -306,7 +305,3 @@ def pending_keys(geo: Geometry, req: RequestState, rec: PlanRecord) -> list[tupl
         if planned and c <= E:
             keys.append((g, hashes[c // u]))
     return keys
-
-
-def lcm_pages(geo: Geometry) -> int:
-    return math.lcm(*(g.page_size for g in geo.cacheable)) if geo.cacheable else 1

@@ -98,14 +98,6 @@ class BlockPool:
     def has_keys(self, block_id: int) -> bool:
         return self._key1[block_id] is not None
 
-    def num_keys(self, block_id: int) -> int:
-        if self._key1[block_id] is None:
-            return 0
-        return 1 + len(self._more.get(block_id, ()))
-
-    def max_boundary(self, block_id: int) -> int:
-        return self._b1[block_id]
-
     def publish(self, group_id: int, boundary: int, key: bytes, block_id: int) -> bool:
         """Key `block_id` at `boundary`; False (nothing changes) if the key already exists."""
         idx = self.index[group_id]
