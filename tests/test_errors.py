@@ -178,3 +178,24 @@ def test_steps_settle_in_order(mgr: KVCacheManager) -> None:
     mgr.commit(s1.step_id, {"a": (20, [])})
     mgr.commit(s2.step_id, {"b": (40, [1])})
     mgr.check_invariants()
+
+
+@pytest.mark.parametrize("capacity", [0, 2])
+def test_finished_statistics_are_bounded(capacity: int) -> None:
+    from dataclasses import replace
+
+    m = KVCacheManager(replace(GEO_H, finished_stats_capacity=capacity))
+    for i in range(4):
+        m.add_request(Request(f"r{i}", list(range(40))))
+        res = m.lookup(f"r{i}")
+        m.allocate(f"r{i}", 40 - res.hit, lookup=res)
+        m.commit(m.seal_step().step_id, {f"r{i}": (40, [1])})
+        stats = m.finish(f"r{i}")  # finish always returns the statistics
+        assert stats.request_id == f"r{i}" and stats.admissions == 1
+    kept = [i for i in range(4) if i >= 4 - capacity]
+    for i in range(4):
+        if i in kept:
+            assert m.request_stats(f"r{i}").cached_tokens == (0 if i == 0 else 32)
+        else:
+            with pytest.raises(KeyError):
+                m.request_stats(f"r{i}")

@@ -297,7 +297,7 @@ class KVCacheManager:
         else:
             self._forget(st)
         self.epoch += 1
-        return self._finished[req_id]
+        return self._stats(st)  # also when finished_stats_capacity keeps none
 
     def preempt(self, req_id: str) -> None:
         """Release a running request's blocks; it waits for a new lookup (spec §11.5)."""
