@@ -73,7 +73,7 @@ def _full_run(keys: Container[bytes], hashes: list[bytes], step: int, num_pages:
     C loops and a miss on the first page costs one small one.
     """
     contains = keys.__contains__
-    run, chunk = 0, 16
+    run, chunk = 0, 64
     while run < num_pages:
         stop = min(run + chunk, num_pages)
         flags = list(map(contains, hashes[(run + 1) * step : stop * step + 1 : step]))
