@@ -80,13 +80,16 @@ class LRUPolicy:
                 prev = b
             nxt[prev] = old_head
             prv[old_head] = prev
-        for b in keyed:
-            tail = prv[0]
-            nxt[tail] = b
-            prv[b] = tail
-            nxt[b] = 0
-            prv[0] = b
-            inq[b] = 1
+        if keyed:
+            # Link the run [k0, k1, …] among itself, then splice it after the current tail.
+            prev = prv[0]
+            for b in keyed:
+                nxt[prev] = b
+                prv[b] = prev
+                inq[b] = 1
+                prev = b
+            nxt[prev] = 0
+            prv[0] = prev
         self._len += len(unkeyed) + len(keyed)
 
     def remove(self, block_id: int) -> None:

@@ -142,6 +142,8 @@ class BlockPool:
         keys = hashes[boundaries.start // u : boundaries.stop // u + (boundaries.stop % u > 0)]
         if page == u:  # every boundary is a page end: the pages are a plain slice of the row
             blocks = row[boundaries.start // u - 1 : boundaries.start // u - 1 + len(keys)]
+            if NULL not in blocks and idx.keys().isdisjoint(keys):
+                return self._publish_pages(group_id, boundaries, keys, blocks)
         else:
             blocks = [row[(b - 1) // page] for b in boundaries]
         done: list[int] = []
@@ -163,6 +165,29 @@ class BlockPool:
         self.num_published["partial"] += partial
         self.num_published["full"] += len(done) - partial
         return done
+
+    def _publish_pages(
+        self, group_id: int, boundaries: range, keys: list[bytes], blocks: list[int]
+    ) -> list[int]:
+        """`publish_run` when page = unit and none of the keys exists: one full key per block.
+
+        The blocks are the request's own fresh pages (one boundary each, never keyed before),
+        so the index takes the keys in one C-level update and each block its single key.
+        """
+        self.index[group_id].update(zip(keys, blocks, strict=True))
+        key1, b1, group = self._key1, self._b1, self.group
+        for blk, key, b in zip(blocks, keys, boundaries, strict=True):
+            key1[blk] = key
+            b1[blk] = b
+            group[blk] = group_id
+        ghost = self.ghost
+        ghost_g = ghost.by_group[group_id]
+        if ghost_g:
+            for key in ghost_g.keys() & set(keys):
+                del ghost_g[key]
+                ghost.size -= 1
+        self.num_published["full"] += len(keys)
+        return list(boundaries)
 
     # ------------------------------------------------------------------ references
     def adopt(self, block_id: int) -> None:
