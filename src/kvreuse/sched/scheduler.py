@@ -1,0 +1,229 @@
+"""A continuous-batching scheduler over the core (first slice of issue 3).
+
+One `step()` reads as its table of contents:
+
+    grow running requests (decode first, then prefill chunks)   ─┐ within the token budget and
+    admit waiting requests, FCFS                                  ─┘ max_num_seqs; preempt on OOM
+    seal the step → run the engine → commit the outcomes
+    finish requests that reached max_tokens
+
+It drives the core only through its public operations (spec §3): lookup, allocate,
+next_save_position, seal_step, commit, finish, preempt. The engine is any callable that turns a
+`StepPlan` into the core's outcomes; `FakeEngine` (in `kvreuse.sched.engine`) samples
+deterministic tokens and accepts drafts with a seeded model, for simulation and tests.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvreuse.core import KVCacheManager, Request, StepPlan
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Scheduling knobs. `num_spec_tokens` > 0 verifies that many drafts per decode step."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    num_spec_tokens: int = 0
+    chunk_at_save_positions: bool = True  # end prefill chunks at the core's save positions
+    defer_shared_prefix: bool = True  # wait for a prefix another request is computing
+    max_defer_steps: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
+        if self.num_spec_tokens < 0 or self.max_defer_steps < 0:
+            raise ValueError("num_spec_tokens and max_defer_steps must be ≥ 0")
+
+
+@dataclass(eq=False, slots=True)
+class Seq:
+    """The scheduler's view of one request."""
+
+    request: Request
+    max_tokens: int
+    prompt_len: int
+    num_tokens: int  # N: prompt plus generated tokens
+    output: list[int] = field(default_factory=list)
+    scheduled: int = 0  # tokens scheduled in the current admission
+    running: bool = False
+    preemptions: int = 0
+    deferred_steps: int = 0
+    cached_tokens: int | None = None
+    finished: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+Engine = Callable[[StepPlan, Mapping[str, "Seq"]], dict[str, tuple[Any, ...]]]
+
+
+@dataclass(slots=True)
+class StepStats:
+    step_id: int
+    num_scheduled_tokens: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    admitted: list[str]
+    preempted: list[str]
+    deferred: list[str]
+    finished: list[str]
+
+
+class Scheduler:
+    """FCFS continuous batching with chunked prefill, preemption by recompute and deferral."""
+
+    def __init__(
+        self, mgr: KVCacheManager, engine: Engine, config: SchedulerConfig | None = None
+    ) -> None:
+        self.mgr = mgr
+        self.engine = engine
+        self.config = config or SchedulerConfig()
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []  # in admission order: the last is the preemption victim
+        self.seqs: dict[str, Seq] = {}
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ requests
+    def add(self, request: Request, max_tokens: int) -> Seq:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be ≥ 1, got {max_tokens}")
+        self.mgr.add_request(request)
+        seq = Seq(request, max_tokens, len(request.prompt_token_ids), len(request.prompt_token_ids))
+        self.seqs[seq.request_id] = seq
+        self.waiting.append(seq)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        seq = self.seqs[request_id]
+        self.mgr.finish(request_id)
+        self._drop(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> StepStats:
+        stats = StepStats(0, 0, 0, 0, [], [], [], [])
+        budget = self._grow_running(stats, self.config.max_num_batched_tokens)
+        self._admit_waiting(stats, budget)
+        step = self.mgr.seal_step()
+        stats.step_id = step.step_id
+        if step.requests:
+            outcomes = self.engine(step, self.seqs)
+            self.mgr.commit(step.step_id, outcomes)
+            self._apply(step, outcomes)
+        self._finish_done(stats)
+        self.num_steps += 1
+        return stats
+
+    # ------------------------------------------------------------------ parts of a step
+    def _grow_running(self, stats: StepStats, budget: int) -> int:
+        """Decode first (latency), then prefill chunks; preempt the newest on OOM."""
+        for seq in sorted(self.running, key=lambda s: s.scheduled < s.num_tokens - 1):
+            if budget <= 0 or seq not in self.running:
+                continue
+            num_new = self._num_new(seq, seq.scheduled, budget)
+            if num_new > budget:
+                continue  # a decode step with its drafts does not fit this step's budget
+            while self.mgr.allocate(seq.request_id, num_new) is None:
+                victim = self.running[-1]
+                self._preempt(victim, stats)
+                if victim is seq:
+                    break
+            else:
+                self._count(stats, seq, seq.scheduled, num_new)
+                seq.scheduled += num_new
+                budget -= num_new
+        return budget
+
+    def _admit_waiting(self, stats: StepStats, budget: int) -> None:
+        keep: deque[Seq] = deque()
+        while self.waiting:
+            seq = self.waiting.popleft()
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                keep.append(seq)
+                continue
+            res = self.mgr.lookup(seq.request_id)
+            if (
+                self.config.defer_shared_prefix
+                and res.pending_hit > res.hit
+                and seq.deferred_steps < self.config.max_defer_steps
+            ):
+                seq.deferred_steps += 1  # another request is computing this prefix right now
+                stats.deferred.append(seq.request_id)
+                keep.append(seq)
+                continue
+            num_new = self._num_new(seq, res.hit, budget, lookup=res)
+            if self.mgr.allocate(seq.request_id, num_new, lookup=res) is None:
+                keep.append(seq)  # FCFS: nothing behind it may jump the queue
+                keep.extend(self.waiting)
+                self.waiting.clear()
+                break
+            if seq.cached_tokens is None:
+                seq.cached_tokens = res.hit
+            seq.running, seq.scheduled = True, res.hit + num_new
+            self.running.append(seq)
+            stats.admitted.append(seq.request_id)
+            self._count(stats, seq, res.hit, num_new)
+            budget -= num_new
+        self.waiting = keep
+
+    def _num_new(self, seq: Seq, start: int, budget: int, lookup: Any = None) -> int:
+        """Tokens to schedule from `start`: the rest of the prefill (chunked), or one decode
+        token plus the drafts to verify."""
+        if start >= seq.num_tokens - 1 and lookup is None:
+            return 1 + self.config.num_spec_tokens
+        n = min(seq.num_tokens - start, budget)
+        if self.config.chunk_at_save_positions:
+            nxt = self.mgr.next_save_position(seq.request_id, lookup)
+            if nxt is not None and start < nxt < start + n:
+                n = nxt - start  # the engine writes states at the end of a step (spec §9.7)
+        return max(1, n)
+
+    def _preempt(self, seq: Seq, stats: StepStats) -> None:
+        self.mgr.preempt(seq.request_id)
+        self.running.remove(seq)
+        seq.running, seq.scheduled = False, 0
+        seq.preemptions += 1
+        self.waiting.appendleft(seq)
+        stats.preempted.append(seq.request_id)
+
+    def _count(self, stats: StepStats, seq: Seq, start: int, num_new: int) -> None:
+        stats.num_scheduled_tokens += num_new
+        if start >= seq.num_tokens - 1:
+            stats.num_decode_tokens += num_new
+        else:
+            stats.num_prefill_tokens += num_new
+
+    def _apply(self, step: StepPlan, outcomes: Mapping[str, tuple[Any, ...]]) -> None:
+        for plan in step.requests:
+            seq = self.seqs[plan.request_id]
+            t_new, new_tokens = outcomes[plan.request_id][:2]
+            seq.output.extend(new_tokens)
+            seq.num_tokens += len(new_tokens)
+            seq.scheduled = t_new  # rejected drafts are scheduled again
+            if len(seq.output) >= seq.max_tokens:
+                seq.finished = True
+
+    def _finish_done(self, stats: StepStats) -> None:
+        for seq in [s for s in self.running if s.finished]:
+            self.mgr.finish(seq.request_id)
+            self._drop(seq)
+            stats.finished.append(seq.request_id)
+
+    def _drop(self, seq: Seq) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.running = False
+        seq.finished = True

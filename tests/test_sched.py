@@ -1,0 +1,161 @@
+"""The scheduler over the core: budget, max_num_seqs, chunking at save positions, preemption and
+re-admission, aborts, speculative decoding, and deferral of requests whose prefix is in flight."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvreuse import CacheConfig, GroupSpec, KVCacheManager, Request
+from kvreuse.sched import FakeEngine, Scheduler, SchedulerConfig, token_at
+
+HYBRID = dict(
+    dcp_size=4,
+    hash_unit=256,
+    groups=[GroupSpec(kind="full", block_size=2048), GroupSpec(kind="recurrent", block_size=256)],
+)
+SMALL = dict(
+    dcp_size=4,
+    groups=[GroupSpec(kind="full", block_size=16), GroupSpec(kind="recurrent", block_size=16)],
+)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(32000) for _ in range(n)]
+
+
+def drain(sched: Scheduler, max_steps: int = 10_000) -> list:
+    steps = []
+    while sched.has_work():
+        steps.append(sched.step())
+        sched.mgr.check_invariants()
+        assert len(steps) < max_steps, "the scheduler made no progress"
+    return steps
+
+
+def reconcile(sched: Scheduler) -> None:
+    m = sched.mgr.metrics()
+    assert m["prefix_cache_hits"] == sum(s.cached_tokens or 0 for s in sched.seqs.values())
+    assert m["prefix_cache_requests"] == sum(
+        s.cached_tokens is not None for s in sched.seqs.values()
+    )
+    assert m["kv_usage"] == 0
+
+
+def test_budget_and_max_num_seqs_are_respected() -> None:
+    mgr = KVCacheManager(CacheConfig(num_blocks=4096, **SMALL))
+    cfg = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=100)
+    sched = Scheduler(mgr, FakeEngine(), cfg)
+    for i in range(8):
+        sched.add(Request(f"r{i}", tokens(150, i)), max_tokens=5)
+    running_max = 0
+    while sched.has_work():
+        st = sched.step()
+        mgr.check_invariants()
+        running_max = max(running_max, len(sched.running))
+        assert st.num_scheduled_tokens <= 100
+    assert running_max == 3
+    assert all(len(s.output) == 5 for s in sched.seqs.values())
+    reconcile(sched)
+
+
+def test_generated_tokens_are_deterministic_per_request() -> None:
+    outs = []
+    for blocks in (4096, 20):  # the second pool forces preemptions during decode
+        mgr = KVCacheManager(CacheConfig(num_blocks=blocks, **SMALL))
+        sched = Scheduler(mgr, FakeEngine(), SchedulerConfig(max_num_batched_tokens=256))
+        for i in range(6):
+            sched.add(Request(f"r{i}", tokens(120, i)), max_tokens=40)
+        drain(sched)
+        reconcile(sched)
+        outs.append({rid: s.output for rid, s in sched.seqs.items()})
+        preemptions = sum(s.preemptions for s in sched.seqs.values())
+        assert (preemptions > 0) == (blocks == 20)
+        if blocks == 20:  # re-admissions count only in the preempted_* counters (spec §12.1)
+            assert mgr.metrics()["prefix_cache_preempted_requests"] == preemptions
+    assert outs[0] == outs[1]
+    assert outs[0]["r0"] == [token_at("r0", p) for p in range(120, 160)]
+
+
+def test_prefill_chunks_end_at_the_replay_point_so_a_resend_hits() -> None:
+    """An engine that writes states only at the end of a step still publishes ρ(P): the
+    scheduler ends a chunk there (spec §9.4, §9.7)."""
+    mgr = KVCacheManager(CacheConfig(num_blocks=256, **HYBRID))
+    sched = Scheduler(mgr, FakeEngine(), SchedulerConfig(max_num_batched_tokens=8192))
+    prompt = tokens(2048, 1)
+    sched.add(Request("cold", prompt), max_tokens=1)
+    steps = drain(sched)
+    assert [s.num_prefill_tokens for s in steps] == [1792, 256]
+    sched.add(Request("warm", prompt), max_tokens=1)
+    drain(sched)
+    assert sched.seqs["warm"].cached_tokens == 1792
+    reconcile(sched)
+
+
+def test_without_chunking_at_save_positions_the_state_is_missing() -> None:
+    mgr = KVCacheManager(CacheConfig(num_blocks=256, **HYBRID))
+    cfg = SchedulerConfig(max_num_batched_tokens=8192, chunk_at_save_positions=False)
+    sched = Scheduler(mgr, FakeEngine(), cfg)
+    prompt = tokens(2048, 1)
+    sched.add(Request("cold", prompt), max_tokens=1)
+    drain(sched)
+    sched.add(Request("warm", prompt), max_tokens=1)
+    drain(sched)
+    assert sched.seqs["warm"].cached_tokens == 0  # the replay state at 1792 was never written
+
+
+def test_abort_frees_everything() -> None:
+    mgr = KVCacheManager(CacheConfig(num_blocks=512, **SMALL))
+    sched = Scheduler(mgr, FakeEngine(), SchedulerConfig(max_num_batched_tokens=64))
+    sched.add(Request("a", tokens(300, 1)), max_tokens=50)
+    sched.add(Request("b", tokens(300, 2)), max_tokens=50)
+    sched.step()
+    sched.step()
+    sched.abort("a")
+    mgr.check_invariants()
+    drain(sched)
+    assert "a" not in mgr.requests and len(sched.seqs["b"].output) == 50
+    reconcile(sched)
+
+
+@pytest.mark.parametrize("mode", ["lookahead", "drop"])
+def test_speculative_decoding(mode: str) -> None:
+    groups = [GroupSpec(kind="full", block_size=16), GroupSpec(kind="recurrent", block_size=16)]
+    if mode == "drop":
+        groups.append(GroupSpec(kind="full", block_size=64, dcp_sharded=False, role="draft"))
+    mgr = KVCacheManager(CacheConfig(num_blocks=1024, dcp_size=4, groups=groups, spec_mode=mode))
+    sched = Scheduler(
+        mgr,
+        FakeEngine(accept_rate=0.6, seed=3),
+        SchedulerConfig(num_spec_tokens=3, max_num_batched_tokens=512),
+    )
+    for i in range(4):
+        sched.add(Request(f"r{i}", tokens(100, i)), max_tokens=40)
+    steps = drain(sched)
+    assert all(len(s.output) >= 40 for s in sched.seqs.values())
+    # drafts were accepted: fewer decode steps than generated tokens
+    assert len(steps) < 4 * 40
+    for s in sched.seqs.values():
+        assert s.output[:40] == [token_at(s.request_id, 100 + p) for p in range(40)]
+    reconcile(sched)
+
+
+def test_burst_with_a_shared_prefix_computes_it_once_with_deferral() -> None:
+    """32 requests with one system prompt arrive together: with deferral the prefix is computed
+    once (spec §7.8 pending_hit), without it by every request admitted in the first step."""
+    prefix = tokens(1024, 9)
+    computed = {}
+    for defer in (True, False):
+        mgr = KVCacheManager(CacheConfig(num_blocks=4096, **SMALL))
+        engine = FakeEngine()
+        cfg = SchedulerConfig(max_num_batched_tokens=8192, defer_shared_prefix=defer)
+        sched = Scheduler(mgr, engine, cfg)
+        for i in range(32):
+            sched.add(Request(f"r{i}", prefix + tokens(64, 100 + i)), max_tokens=1)
+        steps = drain(sched)
+        computed[defer] = sum(s.num_prefill_tokens for s in steps)
+        reconcile(sched)
+    assert computed[True] < computed[False]
+    assert computed[True] <= 1024 + 32 * (64 + 64)  # the prefix once, suffixes (and re-copies)
