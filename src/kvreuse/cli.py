@@ -84,6 +84,67 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+
+
+def _cmd_workload(args: argparse.Namespace) -> int:
+    from kvreuse.sim.generators import GENERATORS
+
+    opts = {k: v for k, v in vars(args).items() if k not in ("command", "func", "kind")}
+    try:
+        lines = GENERATORS[args.kind](**opts)
+    except ValueError as exc:
+        print(f"kvreuse workload {args.kind}: {exc}", file=sys.stderr)
+        return 2
+    for line in lines:
+        print(json.dumps(line))
+    return 0
+
+
+def _add_workload(sub: argparse._SubParsersAction) -> None:
+    wl = sub.add_parser("workload", help="generate a JSONL workload on stdout")
+    kinds = wl.add_subparsers(dest="kind", required=True)
+    specs = {
+        "resend-grid": [
+            ("--lengths", _ints, "255,256,257,2047,2048,2049"),
+            ("--extra", int, 8),
+            ("--max-tokens", int, 1),
+        ],
+        "shared-prefix": [
+            ("--prefix-len", int, 4096),
+            ("--suffix-len", int, 256),
+            ("--requests", int, 32),
+            ("--max-tokens", int, 1),
+        ],
+        "agent": [
+            ("--sessions", int, 1),
+            ("--turns", int, 64),
+            ("--user-len", int, 64),
+            ("--tool-len", int, 256),
+            ("--max-tokens", int, 32),
+        ],
+        "retrieval": [("--length", int, 32768), ("--max-tokens", int, 16)],
+        "pressure": [
+            ("--sequences", int, 8),
+            ("--length", int, 8192),
+            ("--repeats", int, 2),
+            ("--max-tokens", int, 1),
+        ],
+    }
+    for kind, options in specs.items():
+        p = kinds.add_parser(kind)
+        for flag, typ, default in options:
+            p.add_argument(flag, type=typ, default=default)
+        p.add_argument("--seed", type=int, default=0)
+        p.set_defaults(func=_cmd_workload)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvreuse", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -92,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", action="store_true", help="one JSON object per request")
     demo.set_defaults(func=_cmd_demo)
+    _add_workload(sub)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

@@ -1,0 +1,171 @@
+"""Workload files (JSONL, one request per line) and their generators (issue 3, first slice).
+
+A line:
+
+    {"id": "t3", "prompt": PROMPT, "max_tokens": 16, "arrival": 0.5, "after": "t2",
+     "cache_salt": "tenant-a", "lora": ["fr", "/adapters/fr"]}
+
+    PROMPT = {"tokens": [1, 2, 3]}                   literal token ids
+           | {"random": {"seed": 7, "len": 2048}}    deterministic pseudo-random tokens
+           | {"concat": [PROMPT, ...]}               concatenation
+           | {"history": "t2"}                       t2's prompt + its generated tokens (t2 must
+                                                     finish first: an implicit "after")
+
+Only `id`, `prompt` and `max_tokens` are required. Unknown fields are errors, never ignored;
+every error names the line and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+FIELDS = {"id", "prompt", "max_tokens", "arrival", "after", "cache_salt", "lora"}
+VOCAB = 32000
+
+
+class WorkloadError(ValueError):
+    """A workload line is malformed; the message names the line and the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadRequest:
+    request_id: str
+    prompt: Any  # the PROMPT tree, validated; resolve with `resolve_prompt`
+    max_tokens: int
+    arrival: float = 0.0
+    after: str | None = None
+    cache_salt: str | None = None
+    lora: tuple[str, str] | None = None
+
+    def dependencies(self) -> set[str]:
+        deps = set(_histories(self.prompt))
+        if self.after is not None:
+            deps.add(self.after)
+        return deps
+
+
+def random_tokens(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB) for _ in range(length)]
+
+
+def resolve_prompt(prompt: Any, history: dict[str, list[int]]) -> list[int]:
+    """Token ids of a validated PROMPT; `history[id]` is a finished request's full tokens."""
+    kind, value = next(iter(prompt.items()))
+    if kind == "tokens":
+        return list(value)
+    if kind == "random":
+        return random_tokens(value["seed"], value["len"])
+    if kind == "concat":
+        return [t for part in value for t in resolve_prompt(part, history)]
+    return list(history[value])
+
+
+def _histories(prompt: Any) -> Iterator[str]:
+    kind, value = next(iter(prompt.items()))
+    if kind == "history":
+        yield value
+    elif kind == "concat":
+        for part in value:
+            yield from _histories(part)
+
+
+def _check_prompt(prompt: Any, where: str) -> None:
+    if not isinstance(prompt, dict) or len(prompt) != 1:
+        raise WorkloadError(
+            f"{where}: a prompt is an object with exactly one of "
+            "'tokens', 'random', 'concat', 'history'"
+        )
+    kind, value = next(iter(prompt.items()))
+    if kind == "tokens":
+        if not isinstance(value, list) or not all(type(t) is int and 0 <= t < 2**32 for t in value):
+            raise WorkloadError(f"{where}.tokens: a list of ints in [0, 2**32)")
+    elif kind == "random":
+        if (
+            not isinstance(value, dict)
+            or set(value) != {"seed", "len"}
+            or not all(type(value[k]) is int for k in ("seed", "len"))
+            or value["len"] < 0
+        ):
+            raise WorkloadError(f'{where}.random: {{"seed": int, "len": int ≥ 0}}')
+    elif kind == "concat":
+        if not isinstance(value, list) or not value:
+            raise WorkloadError(f"{where}.concat: a non-empty list of prompts")
+        for i, part in enumerate(value):
+            _check_prompt(part, f"{where}.concat[{i}]")
+    elif kind == "history":
+        if not isinstance(value, str) or not value:
+            raise WorkloadError(f"{where}.history: the id of an earlier request")
+    else:
+        raise WorkloadError(
+            f"{where}: unknown prompt kind {kind!r}; use 'tokens', 'random', 'concat' or 'history'"
+        )
+
+
+def parse_line(obj: Any, lineno: int) -> WorkloadRequest:
+    where = f"line {lineno}"
+    if not isinstance(obj, dict):
+        raise WorkloadError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    unknown = set(obj) - FIELDS
+    if unknown:
+        raise WorkloadError(
+            f"{where}: unknown field(s) {sorted(unknown)}; allowed: {sorted(FIELDS)}"
+        )
+    for name in ("id", "prompt", "max_tokens"):
+        if name not in obj:
+            raise WorkloadError(f"{where}: missing field {name!r}")
+    rid = obj["id"]
+    if not isinstance(rid, str) or not rid:
+        raise WorkloadError(f"{where}: field 'id' must be a non-empty string")
+    _check_prompt(obj["prompt"], f"{where}: field 'prompt'")
+    max_tokens = obj["max_tokens"]
+    if type(max_tokens) is not int or max_tokens < 1:
+        raise WorkloadError(f"{where}: field 'max_tokens' must be an int ≥ 1, got {max_tokens!r}")
+    arrival = obj.get("arrival", 0.0)
+    if isinstance(arrival, bool) or not isinstance(arrival, int | float) or arrival < 0:
+        raise WorkloadError(f"{where}: field 'arrival' must be seconds ≥ 0, got {arrival!r}")
+    after = obj.get("after")
+    if after is not None and (not isinstance(after, str) or not after):
+        raise WorkloadError(f"{where}: field 'after' must be a request id")
+    salt = obj.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise WorkloadError(f"{where}: field 'cache_salt' must be a string")
+    lora = obj.get("lora")
+    if lora is not None:
+        if (
+            not isinstance(lora, list)
+            or len(lora) != 2
+            or not all(isinstance(x, str) for x in lora)
+        ):
+            raise WorkloadError(f"{where}: field 'lora' must be [name, path]")
+        lora = (lora[0], lora[1])
+    return WorkloadRequest(rid, obj["prompt"], max_tokens, float(arrival), after, salt, lora)
+
+
+def load_workload(lines: Iterable[str]) -> list[WorkloadRequest]:
+    """Parse and cross-check a JSONL workload (unique ids; references to earlier ids only)."""
+    out: list[WorkloadRequest] = []
+    seen: set[str] = set()
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise WorkloadError(f"line {lineno}: not valid JSON ({exc.msg})") from None
+        req = parse_line(obj, lineno)
+        if req.request_id in seen:
+            raise WorkloadError(f"line {lineno}: field 'id': duplicate id {req.request_id!r}")
+        missing = sorted(req.dependencies() - seen)
+        if missing:
+            raise WorkloadError(
+                f"line {lineno}: refers to {missing}, which no earlier line "
+                "defines ('after' and 'history' name earlier requests)"
+            )
+        seen.add(req.request_id)
+        out.append(req)
+    return out
