@@ -154,6 +154,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--json", action="store_true", help="one JSON object per request")
     demo.set_defaults(func=_cmd_demo)
     _add_workload(sub)
+    from kvreuse.sim.cli import add_parser as _add_simulate
+
+    _add_simulate(sub)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvreuse.core import KVCacheManager, Request, StepPlan
+from kvreuse.core import KVCacheManager, Request, RequestStats, StepPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +56,7 @@ class Seq:
     preemptions: int = 0
     deferred_steps: int = 0
     cached_tokens: int | None = None
+    stats: RequestStats | None = None  # the core's final statistics, kept at finish
     finished: bool = False
 
     @property
@@ -104,7 +105,7 @@ class Scheduler:
 
     def abort(self, request_id: str) -> None:
         seq = self.seqs[request_id]
-        self.mgr.finish(request_id)
+        seq.stats = self.mgr.finish(request_id)
         self._drop(seq)
 
     def has_work(self) -> bool:
@@ -216,7 +217,7 @@ class Scheduler:
 
     def _finish_done(self, stats: StepStats) -> None:
         for seq in [s for s in self.running if s.finished]:
-            self.mgr.finish(seq.request_id)
+            seq.stats = self.mgr.finish(seq.request_id)
             self._drop(seq)
             stats.finished.append(seq.request_id)
 

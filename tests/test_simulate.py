@@ -1,0 +1,96 @@
+"""The simulator run: issue 3's acceptance grid and agent checks, and reconciliation that fails
+loudly when a counter is wrong."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from kvreuse.sim.generators import agent, resend_grid, shared_prefix
+from kvreuse.sim.geometry import preset
+from kvreuse.sim.run import simulate
+from kvreuse.sim.workload import load_workload
+
+LENGTHS = [255, 256, 257, 2047, 2048, 2049, 4096, 8191, 8192, 8193]
+
+
+def load(objs: list[dict]):
+    return load_workload([json.dumps(o) for o in objs])
+
+
+def test_resend_grid_on_the_dcp4_hybrid() -> None:
+    res = simulate(preset("hybrid-dcp4"), load(resend_grid(LENGTHS)))
+    rows = {r["id"]: r for r in res.requests}
+    for p in LENGTHS:
+        warm = (p - 1) // 256 * 256
+        assert rows[f"cold-{p}"]["cached_tokens"] == 0
+        assert rows[f"warm-{p}"]["cached_tokens"] == warm, p
+        assert rows[f"appended-{p}"]["cached_tokens"] >= warm
+    assert res.summary["reconciled"], res.summary["reconciliation"]
+
+
+def test_64_turn_agent_reuses_what_the_previous_turn_computed() -> None:
+    res = simulate(preset("hybrid-dcp4"), load(agent(1, 64, 64, 256, 32)))
+    rows = res.requests
+    assert rows[0]["cached_tokens"] == 0
+    for prev, cur in itertools.pairwise(rows):
+        computed = prev["prompt_tokens"] + prev["output_tokens"] - 1  # all but the last token
+        assert cur["cached_tokens"] == computed // 256 * 256, cur["id"]
+    assert res.summary["reconciled"]
+
+
+def test_burst_summary_and_timeline() -> None:
+    res = simulate(preset("attention-16"), load(shared_prefix(1024, 64, 16)))
+    s = res.summary
+    assert s["requests"] == 16 and s["hits"] > 0 and 0 < s["hit_rate"] < 1
+    assert s["reconciled"] and res.timeline and s["simulated_seconds"] > 0
+    assert all(r["ttft_estimate_s"] > 0 for r in res.requests)
+
+
+def test_reconciliation_fails_when_a_counter_is_wrong(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvreuse.core import metrics
+
+    real = metrics.snapshot
+
+    def doctored(*args, **kwargs):  # a test double that over-reports hits by one token
+        out = real(*args, **kwargs)
+        out["prefix_cache_hits"] += 1
+        return out
+
+    monkeypatch.setattr(metrics, "snapshot", doctored)
+    import kvreuse.core.manager as manager
+
+    monkeypatch.setattr(manager, "snapshot", doctored)
+    res = simulate(preset("attention-16"), load(resend_grid([100])))
+    assert not res.summary["reconciled"]
+    assert res.summary["reconciliation"]["cached_tokens_equal_hits"] is False
+
+
+def test_cli_writes_outputs_and_exit_codes(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    wl = tmp_path / "w.jsonl"
+    wl.write_text("\n".join(json.dumps(o) for o in resend_grid([300])) + "\n")
+    run = [sys.executable, "-m", "kvreuse", "simulate"]
+    out = subprocess.run(
+        [*run, "--geometry", "hybrid-dcp4", str(wl), "--out", str(tmp_path / "o"), "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout)
+    assert summary["requests"] == 3 and summary["reconciled"]
+    rows = [json.loads(x) for x in (tmp_path / "o" / "requests.jsonl").read_text().splitlines()]
+    assert [r["cached_tokens"] for r in rows] == [0, 256, 256]
+    assert "hit rate" in (tmp_path / "o" / "report.md").read_text()
+    geo = tmp_path / "g.toml"
+    geo.write_text(
+        '[cache]\nnum_blocks = 64\nbogus = 1\n[[groups]]\nkind = "full"\nblock_size = 16\n'
+    )
+    bad = subprocess.run(
+        [*run, str(geo), str(wl), "--out", str(tmp_path / "p")], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "unknown key(s) ['bogus']" in bad.stderr
