@@ -86,6 +86,8 @@ def test_cli_writes_outputs_and_exit_codes(tmp_path) -> None:
     rows = [json.loads(x) for x in (tmp_path / "o" / "requests.jsonl").read_text().splitlines()]
     assert [r["cached_tokens"] for r in rows] == [0, 256, 256]
     assert "hit rate" in (tmp_path / "o" / "report.md").read_text()
+    for png in ("cached_vs_prompt.png", "usage_hit_rate.png"):
+        assert (tmp_path / "o" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     geo = tmp_path / "g.toml"
     geo.write_text(
         '[cache]\nnum_blocks = 64\nbogus = 1\n[[groups]]\nkind = "full"\nblock_size = 16\n'

@@ -32,7 +32,8 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--out", type=Path, required=True, help="output folder")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--prefill-tokens-per-s", type=float, default=DEFAULT_COST.prefill_tokens_per_s)
     p.add_argument("--decode-step-s", type=float, default=DEFAULT_COST.decode_step_s)
     p.set_defaults(func=run)
@@ -52,11 +53,18 @@ def run(args: argparse.Namespace) -> int:
         workload = load_workload(wl_path.read_text().splitlines())
         cost = CostModel(args.prefill_tokens_per_s, args.decode_step_s)
         show = not args.quiet and sys.stderr.isatty()
-        result = simulate(geo, workload, cost, _progress if show else None)
+        bar = _progress_bar(len(workload)) if show else None
+        result = simulate(geo, workload, cost, bar.update_to if bar else None)
+        if bar:
+            bar.close()
     except (GeometryError, WorkloadError, ConfigError, OSError, ValueError) as exc:
         print(f"kvreuse simulate: {exc}", file=sys.stderr)
         return 2
     write_outputs(args.out, geo.name, result)
+    if not args.no_plots:
+        from kvreuse.sim.plots import write_plots
+
+        write_plots(args.out, geo.name, result)
     if args.json:
         print(json.dumps(result.summary, indent=2))
     if not result.summary["reconciled"]:
@@ -66,8 +74,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _progress(done: int, total: int) -> None:
-    print(f"\rsimulating: {done}/{total} requests finished", end="", file=sys.stderr)
+def _progress_bar(total: int) -> Any:
+    from tqdm import tqdm
+
+    class Bar(tqdm):  # type: ignore[misc]
+        def update_to(self, done: int, _total: int) -> None:
+            self.update(done - self.n)
+
+    return Bar(total=total, unit="req", desc="simulating", file=sys.stderr)
 
 
 def write_outputs(out: Path, name: str, result: SimResult) -> None:
@@ -79,6 +93,9 @@ def write_outputs(out: Path, name: str, result: SimResult) -> None:
     s = result.summary
     lines = [
         f"# Simulation report: {name}",
+        "",
+        "![cached vs prompt tokens](cached_vs_prompt.png)",
+        "![pool usage and hit rate](usage_hit_rate.png)",
         "",
         f"- requests: {s['requests']}, prompt tokens (queries): {s['queries']:,}, "
         f"reused (hits): {s['hits']:,}, hit rate {s['hit_rate']:.1%}",
