@@ -112,7 +112,7 @@ def _add_workload(sub: argparse._SubParsersAction) -> None:
     kinds = wl.add_subparsers(dest="kind", required=True)
     specs = {
         "resend-grid": [
-            ("--lengths", _ints, "255,256,257,2047,2048,2049"),
+            ("--lengths", _ints, "255,256,257,2047,2048,2049,4096,8191,8192,8193"),
             ("--extra", int, 8),
             ("--max-tokens", int, 1),
         ],

@@ -67,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
         write_plots(args.out, geo.name, result)
     if args.json:
         print(json.dumps(result.summary, indent=2))
+    else:
+        print(summary_table(geo.name, result, args.out))
     if not result.summary["reconciled"]:
         failed = [k for k, ok in result.summary["reconciliation"].items() if not ok]
         print(f"kvreuse simulate: reconciliation failed: {failed}", file=sys.stderr)
@@ -82,6 +84,35 @@ def _progress_bar(total: int) -> Any:
             self.update(done - self.n)
 
     return Bar(total=total, unit="req", desc="simulating", file=sys.stderr)
+
+
+def summary_table(name: str, result: SimResult, out: Path) -> str:
+    """A readable table for the terminal: per request kind, then the totals."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in result.requests:
+        groups.setdefault(r["id"].rsplit("-", 1)[0] if "-" in r["id"] else r["id"], []).append(r)
+    width = max(12, *(len(k) for k in groups))
+    lines = [
+        f"{'requests':<{width}} {'n':>5} {'prompt tok':>11} {'cached tok':>11} "
+        f"{'reuse':>6} {'TTFT est (s)':>13}"
+    ]
+    for key, rows in groups.items():
+        prompt = sum(r["prompt_tokens"] for r in rows)
+        cached = sum(r["cached_tokens"] for r in rows)
+        ttft = sum(r["ttft_estimate_s"] for r in rows) / len(rows)
+        lines.append(
+            f"{key:<{width}} {len(rows):>5} {prompt:>11,} {cached:>11,} "
+            f"{cached / prompt if prompt else 0:>6.1%} {ttft:>13.4f}"
+        )
+    s = result.summary
+    lines += [
+        "",
+        f"{name}: {s['requests']} requests, {s['hits']:,} of {s['queries']:,} prompt tokens "
+        f"reused ({s['hit_rate']:.1%}); {s['preemptions']} preemptions, "
+        f"{s['evicted_blocks']} evicted blocks, peak usage {s['peak_usage']:.1%}",
+        f"reconciliation {'passed' if s['reconciled'] else 'FAILED'}; outputs in {out}/",
+    ]
+    return "\n".join(lines)
 
 
 def write_outputs(out: Path, name: str, result: SimResult) -> None:
