@@ -151,8 +151,10 @@ class Scheduler:
         while self.waiting:
             seq = self.waiting.popleft()
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
-                keep.append(seq)
-                continue
+                keep.append(seq)  # full: the rest waits too (O(1), not a scan of the queue)
+                keep.extend(self.waiting)
+                self.waiting.clear()
+                break
             res = self.mgr.lookup(seq.request_id)
             if (
                 self.config.defer_shared_prefix
@@ -222,9 +224,9 @@ class Scheduler:
             stats.finished.append(seq.request_id)
 
     def _drop(self, seq: Seq) -> None:
-        if seq in self.running:
+        if seq.running:
             self.running.remove(seq)
-        if seq in self.waiting:
-            self.waiting.remove(seq)
+        elif not seq.finished:
+            self.waiting.remove(seq)  # an abort of a waiting request
         seq.running = False
         seq.finished = True

@@ -17,6 +17,7 @@ every error names the line and the field.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from collections.abc import Iterable, Iterator
@@ -49,8 +50,14 @@ class WorkloadRequest:
 
 
 def random_tokens(seed: int, length: int) -> list[int]:
+    return list(_random_tokens(seed, length))
+
+
+@functools.lru_cache(maxsize=256)
+def _random_tokens(seed: int, length: int) -> tuple[int, ...]:
+    """Memoised: a shared system prompt is generated once, not once per request."""
     rng = random.Random(seed)
-    return [rng.randrange(VOCAB) for _ in range(length)]
+    return tuple(rng.randrange(VOCAB) for _ in range(length))
 
 
 def resolve_prompt(prompt: Any, history: dict[str, list[int]]) -> list[int]:
