@@ -130,7 +130,7 @@ class Scheduler:
     def _grow_running(self, stats: StepStats, budget: int) -> int:
         """Decode first (latency), then prefill chunks; preempt the newest on OOM."""
         for seq in sorted(self.running, key=lambda s: s.scheduled < s.num_tokens - 1):
-            if budget <= 0 or seq not in self.running:
+            if budget <= 0 or not seq.running:  # preempted earlier in this step
                 continue
             num_new = self._num_new(seq, seq.scheduled, budget)
             if num_new > budget:
