@@ -121,14 +121,20 @@ def add_dense(
 
 
 # ---------------------------------------------------------------------------- counting
-def _hit_blocks(res: LookupResult) -> list[int]:
+def hit_blocks(res: LookupResult) -> list[int]:
+    """Every block a hit reuses: shared pages, copy sources, recurrent sources."""
     blocks = [b for row in res.slots.values() for b in row if b != NULL]
     blocks += [b for b in res.state_src.values() if b is not None]
     return blocks
 
 
 def admission_required(
-    geo: Geometry, mgr: KVCacheManager, res: LookupResult, end: int, extra: int
+    geo: Geometry,
+    mgr: KVCacheManager,
+    res: LookupResult,
+    end: int,
+    extra: int,
+    hits: list[int] | None = None,
 ) -> int:
     h = res.hit
     required = 0
@@ -144,7 +150,8 @@ def admission_required(
         else:
             required += 1 + g.scratch
     ref = mgr.pool.ref
-    required += sum(1 for b in set(_hit_blocks(res)) if ref[b] == 0)
+    hits = hit_blocks(res) if hits is None else hits
+    required += sum(1 for b in set(hits) if ref[b] == 0)
     return required
 
 
@@ -158,7 +165,12 @@ def growth_required(geo: Geometry, req: RequestState, end: int, extra: int) -> i
 
 # ---------------------------------------------------------------------------- admission
 def admit(
-    mgr: KVCacheManager, req: RequestState, res: LookupResult, num_new: int, extra: int
+    mgr: KVCacheManager,
+    req: RequestState,
+    res: LookupResult,
+    num_new: int,
+    extra: int,
+    hits: list[int],
 ) -> PlanRecord:
     """Take the references of an admission that is known to fit (9.5 steps 1–3)."""
     geo, pool = mgr.geo, mgr.pool
@@ -171,7 +183,7 @@ def admit(
             if not g.is_attention:
                 req.planned[g.group_id] = planned_positions(geo, mgr, req, g, h, res.junction)
     # 1. adopt every hit block (shared pages, copy sources, recurrent sources).
-    pool.adopt_many(_hit_blocks(res))
+    pool.adopt_many(hits)
     tables: dict[int, list[int]] = {}
     new_blocks: dict[int, list[int]] = {}
     copies: list[Copy] = []

@@ -21,6 +21,7 @@ from kvreuse.core.allocate import (
     admit,
     grow,
     growth_required,
+    hit_blocks,
     pending_keys,
     planned_positions,
     replay_point,
@@ -157,12 +158,13 @@ class KVCacheManager:
         free = self.pool.num_free
         if st.phase is Phase.WAITING:
             assert lookup is not None
+            hits = hit_blocks(lookup)  # counted and then adopted: computed once
             need = admission_required(
-                self.geo, self, lookup, lookup.hit + num_new_tokens, num_extra_slots
+                self.geo, self, lookup, lookup.hit + num_new_tokens, num_extra_slots, hits
             )
             if need > free - self.config.admission_watermark_blocks:
                 return None
-            rec = admit(self, st, lookup, num_new_tokens, num_extra_slots)
+            rec = admit(self, st, lookup, num_new_tokens, num_extra_slots, hits)
             count_admission(self.counters, self.reasons, st, lookup.hit, lookup.reason)
             st.phase = Phase.RUNNING
         else:
