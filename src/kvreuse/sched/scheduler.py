@@ -56,6 +56,7 @@ class Seq:
     preemptions: int = 0
     deferred_steps: int = 0
     cached_tokens: int | None = None
+    sampling: Any = None  # the engine's per-request sampling parameters (opaque here)
     stats: RequestStats | None = None  # the core's final statistics, kept at finish
     finished: bool = False
 
@@ -94,11 +95,13 @@ class Scheduler:
         self.num_steps = 0
 
     # ------------------------------------------------------------------ requests
-    def add(self, request: Request, max_tokens: int) -> Seq:
+    def add(self, request: Request, max_tokens: int, sampling: Any = None) -> Seq:
+        """Queue a request; `sampling` is handed to the engine untouched (as `seq.sampling`)."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be ≥ 1, got {max_tokens}")
         self.mgr.add_request(request)
-        seq = Seq(request, max_tokens, len(request.prompt_token_ids), len(request.prompt_token_ids))
+        num = len(request.prompt_token_ids)
+        seq = Seq(request, max_tokens, num, num, sampling=sampling)
         self.seqs[seq.request_id] = seq
         self.waiting.append(seq)
         return seq
