@@ -37,6 +37,8 @@ class PlanRecord:
     copies: list[Copy]
     step_id: int = -1
     withdrawn: bool = False
+    keys: list[tuple[int, bytes]] | None = None  # pending_keys, valid while `keys_at` holds
+    keys_at: tuple[int, int] = (-1, -1)  # (req.committed, req.chain.num_units) when computed
 
 
 # ---------------------------------------------------------------------------- save planning

@@ -105,7 +105,12 @@ class KVCacheManager:
             return None
         keys: list[set[bytes]] = [set() for _ in self.geo.groups]
         for rec in recs:
-            for gid, key in pending_keys(self.geo, rec.req, rec):
+            # A record's keys change only when its request commits (T, processed, the chain
+            # and window frees move together), so they are cached per (T, units).
+            at = (rec.req.committed, rec.req.chain.num_units)
+            if rec.keys is None or rec.keys_at != at:
+                rec.keys, rec.keys_at = pending_keys(self.geo, rec.req, rec), at
+            for gid, key in rec.keys:
                 keys[gid].add(key)
         return keys
 

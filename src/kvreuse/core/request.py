@@ -46,6 +46,11 @@ class Request:
 def check_tokens(token_ids: Sequence[int], what: str) -> list[int]:
     """Validate token ids (ints, not bools, in [0, 2^32)) and return them as a list."""
     tokens = list(token_ids)
+    # Fast path in C: every element exactly an int (bools excluded) and the extremes in range.
+    if not tokens or (
+        set(map(type, tokens)) == {int} and min(tokens) >= 0 and max(tokens) < MAX_TOKEN
+    ):
+        return tokens
     for i, t in enumerate(tokens):
         if type(t) is not int or not 0 <= t < MAX_TOKEN:
             raise ValueError(f"{what}: token {i} is {t!r}; token ids must be ints in [0, 2**32)")
