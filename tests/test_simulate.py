@@ -96,3 +96,39 @@ def test_cli_writes_outputs_and_exit_codes(tmp_path) -> None:
         [*run, str(geo), str(wl), "--out", str(tmp_path / "p")], capture_output=True, text=True
     )
     assert bad.returncode == 2 and "unknown key(s) ['bogus']" in bad.stderr
+
+
+@pytest.mark.parametrize("name", ["attention-16", "hybrid-dcp4"])
+def test_burst_deferral_computes_the_shared_prompt_once(name: str) -> None:
+    """32 requests with one 4,096-token system prompt arrive together (issue 3, item 1).
+
+    With deferral, the prefix is computed once and every other request waits for it and reuses
+    all 4,096 tokens (a multiple of both presets' units): 4,096 + 32 · 64 prefill tokens. Without
+    deferral the requests admitted in the first step compute the prefix again.
+    """
+    from kvreuse.sim.run import without_deferral
+
+    wl = load(shared_prefix(4096, 64, 32))
+    s = simulate(preset(name), wl).summary
+    assert s["reconciled"] and s["deferral_waits"] > 0
+    assert s["prefill_tokens_computed"] == 4096 + 32 * 64
+    assert s["hits"] == 31 * 4096
+    off = without_deferral(preset(name), wl)
+    assert off["prefill_tokens_computed"] > s["prefill_tokens_computed"]
+    assert off["prefill_tokens_computed"] + off["hits"] == s["prefill_tokens_computed"] + s["hits"]
+
+
+def test_report_shows_the_deferral_comparison(tmp_path) -> None:
+    from kvreuse.cli import main
+
+    wl = tmp_path / "burst.jsonl"
+    wl.write_text("\n".join(json.dumps(o) for o in shared_prefix(4096, 64, 8)) + "\n")
+    out = tmp_path / "o"
+    assert main(["simulate", "--geometry", "attention-16", str(wl), "--out", str(out),
+                 "--quiet", "--no-plots", "--json"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    off = summary["without_deferral"]
+    assert off["prefill_tokens_computed"] > summary["prefill_tokens_computed"] == 4096 + 8 * 64
+    report = (out / "report.md").read_text()
+    assert "## In-batch prefix sharing" in report
+    assert f"| without deferral | {off['prefill_tokens_computed']:,} |" in report

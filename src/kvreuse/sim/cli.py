@@ -10,7 +10,7 @@ from typing import Any
 
 from kvreuse.core import ConfigError
 from kvreuse.sim.geometry import PRESETS, GeometryError, load_geometry, preset
-from kvreuse.sim.run import CostModel, SimResult, simulate
+from kvreuse.sim.run import CostModel, SimResult, simulate, without_deferral
 from kvreuse.sim.workload import WorkloadError, load_workload
 
 DEFAULT_COST = CostModel()
@@ -34,6 +34,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument(
+        "--no-compare",
+        action="store_true",
+        help="when requests waited for a shared prefix, skip the second run without deferral",
+    )
     p.add_argument("--prefill-tokens-per-s", type=float, default=DEFAULT_COST.prefill_tokens_per_s)
     p.add_argument("--decode-step-s", type=float, default=DEFAULT_COST.decode_step_s)
     p.set_defaults(func=run)
@@ -57,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
         result = simulate(geo, workload, cost, bar.update_to if bar else None)
         if bar:
             bar.close()
+        if result.summary["deferral_waits"] and not args.no_compare:
+            result.summary["without_deferral"] = without_deferral(geo, workload, cost)
     except (GeometryError, WorkloadError, ConfigError, OSError, ValueError) as exc:
         print(f"kvreuse simulate: {exc}", file=sys.stderr)
         return 2
@@ -112,6 +119,13 @@ def summary_table(name: str, result: SimResult, out: Path) -> str:
         f"{s['evicted_blocks']} evicted blocks, peak usage {s['peak_usage']:.1%}",
         f"reconciliation {'passed' if s['reconciled'] else 'FAILED'}; outputs in {out}/",
     ]
+    off = s.get("without_deferral")
+    if off:
+        lines.insert(
+            -1,
+            f"in-batch sharing: {s['prefill_tokens_computed']:,} prefill tokens computed with "
+            f"deferral, {off['prefill_tokens_computed']:,} without",
+        )
     return "\n".join(lines)
 
 
@@ -135,6 +149,7 @@ def write_outputs(out: Path, name: str, result: SimResult) -> None:
         f"- simulated time {s['simulated_seconds']:.3f} s over {s['steps']} steps "
         "(cost model estimate, not a measurement)",
         f"- reconciliation: {'passed' if s['reconciled'] else 'FAILED'} {s['reconciliation']}",
+        *_deferral_section(s),
         "",
         "| id | prompt | cached | reason | preemptions | TTFT estimate (s) |",
         "|---|---|---|---|---|---|",
@@ -145,3 +160,29 @@ def write_outputs(out: Path, name: str, result: SimResult) -> None:
         for r in result.requests
     ]
     (out / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def _deferral_section(s: dict[str, Any]) -> list[str]:
+    """In-batch sharing: prefill computed with deferral vs a second run without it."""
+    lines = [
+        "",
+        "## In-batch prefix sharing",
+        "",
+        f"Requests waited {s['deferral_waits']} request-steps for a prefix another request was "
+        f"computing; {s['prefill_tokens_computed']:,} prefill tokens were computed.",
+    ]
+    off = s.get("without_deferral")
+    if off:
+        saved = off["prefill_tokens_computed"] - s["prefill_tokens_computed"]
+        lines += [
+            "",
+            "| run | prefill tokens computed | reused tokens | simulated s |",
+            "|---|---|---|---|",
+            f"| with deferral | {s['prefill_tokens_computed']:,} | {s['hits']:,} | "
+            f"{s['simulated_seconds']:.3f} |",
+            f"| without deferral | {off['prefill_tokens_computed']:,} | {off['hits']:,} | "
+            f"{off['simulated_seconds']:.3f} |",
+            "",
+            f"Deferral saved {saved:,} prefill tokens.",
+        ]
+    return lines

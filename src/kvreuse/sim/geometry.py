@@ -79,6 +79,92 @@ PRESETS: dict[str, str] = {
         kind = "recurrent"
         block_size = 64
     """,
+    # Engine-sized geometries for the tiny PyTorch model (kvreuse.engine, tests, benchmarks).
+    "tiny-attention": """
+        [cache]
+        num_blocks = 1024
+        max_num_batched_tokens = 2048
+        max_model_len = 8192
+        [[groups]]
+        kind = "full"
+        block_size = 16
+    """,
+    "tiny-attention-dcp4": """
+        [cache]
+        num_blocks = 1024
+        dcp_size = 4
+        hash_unit = 8
+        max_num_batched_tokens = 2048
+        max_model_len = 8192
+        [[groups]]
+        kind = "full"
+        block_size = 16
+    """,
+    "tiny-hybrid-dcp4": """
+        [cache]
+        num_blocks = 1024
+        dcp_size = 4
+        hash_unit = 8
+        max_num_batched_tokens = 2048
+        max_model_len = 8192
+        [[groups]]
+        kind = "full"
+        block_size = 32
+        [[groups]]
+        kind = "recurrent"
+        block_size = 8
+    """,
+    "tiny-sliding-hybrid": """
+        [cache]
+        num_blocks = 1024
+        max_num_batched_tokens = 2048
+        max_model_len = 8192
+        [[groups]]
+        kind = "full"
+        block_size = 16
+        [[groups]]
+        kind = "sliding"
+        block_size = 16
+        window = 48
+        [[groups]]
+        kind = "recurrent"
+        block_size = 16
+    """,
+    "tiny-spec-lookahead": """
+        [cache]
+        num_blocks = 1024
+        spec_mode = "lookahead"
+        lookahead_tokens = 1
+        max_num_batched_tokens = 2048
+        max_model_len = 8192
+        [[groups]]
+        kind = "full"
+        block_size = 16
+        [[groups]]
+        kind = "recurrent"
+        block_size = 16
+        [[groups]]
+        kind = "full"
+        block_size = 16
+        role = "draft"
+    """,
+    "tiny-spec-drop": """
+        [cache]
+        num_blocks = 1024
+        spec_mode = "drop"
+        max_num_batched_tokens = 2048
+        max_model_len = 8192
+        [[groups]]
+        kind = "full"
+        block_size = 16
+        [[groups]]
+        kind = "recurrent"
+        block_size = 16
+        [[groups]]
+        kind = "full"
+        block_size = 16
+        role = "draft"
+    """,
 }
 
 

@@ -63,6 +63,7 @@ def simulate(
     arrived: dict[str, float] = {}
     first_token: dict[str, float] = {}
     clock, peak_usage, timeline = 0.0, 0.0, []
+    num_prefill = num_deferred = 0
     while pending or sched.has_work():
         pending = _release_ready(sched, pending, history, arrived, clock, geo.max_model_len)
         if not sched.has_work():
@@ -73,6 +74,8 @@ def simulate(
             continue
         st = sched.step()
         clock += cost.step_time(st.num_prefill_tokens, st.num_decode_tokens)
+        num_prefill += st.num_prefill_tokens
+        num_deferred += len(st.deferred)
         for seq in sched.running:
             if seq.output and seq.request_id not in first_token:
                 first_token[seq.request_id] = clock
@@ -90,6 +93,8 @@ def simulate(
             on_step(len(history), len(workload))
     rows = [_row(sched, w, arrived, first_token) for w in workload]
     summary = _summary(mgr, sched, rows, peak_usage, clock)
+    summary["prefill_tokens_computed"] = num_prefill
+    summary["deferral_waits"] = num_deferred  # request-steps spent waiting for a shared prefix
     return SimResult(rows, summary, timeline)
 
 
@@ -162,6 +167,7 @@ def _summary(
         "hit_rate": m["prefix_cache_hits"] / m["prefix_cache_queries"] if rows else 0.0,
         "preemptions": sum(r["preemptions"] for r in rows),
         "evicted_blocks": m["kv_blocks_evicted_total"],
+        "retained_blocks": m["kv_blocks_cached"],
         "peak_usage": peak_usage,
         "capacity_tokens": mgr.config.capacity_tokens(),
         "index_entries": m["kv_index_entries"],
@@ -170,3 +176,13 @@ def _summary(
         "reconciliation": checks,
         "reconciled": all(checks.values()),
     }
+
+
+def without_deferral(
+    geo: SimGeometry, workload: list[WorkloadRequest], cost: CostModel | None = None
+) -> dict[str, Any]:
+    """The same run with in-batch deferral off: what waiting for a shared prefix saved."""
+    off = replace(geo, sched=replace(geo.sched, defer_shared_prefix=False))
+    s = simulate(off, workload, cost).summary
+    keys = ("prefill_tokens_computed", "hits", "hit_rate", "simulated_seconds", "steps")
+    return {k: s[k] for k in keys}
