@@ -124,8 +124,22 @@ def test_report_shows_the_deferral_comparison(tmp_path) -> None:
     wl = tmp_path / "burst.jsonl"
     wl.write_text("\n".join(json.dumps(o) for o in shared_prefix(4096, 64, 8)) + "\n")
     out = tmp_path / "o"
-    assert main(["simulate", "--geometry", "attention-16", str(wl), "--out", str(out),
-                 "--quiet", "--no-plots", "--json"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--geometry",
+                "attention-16",
+                str(wl),
+                "--out",
+                str(out),
+                "--quiet",
+                "--no-plots",
+                "--json",
+            ]
+        )
+        == 0
+    )
     summary = json.loads((out / "summary.json").read_text())
     off = summary["without_deferral"]
     assert off["prefill_tokens_computed"] > summary["prefill_tokens_computed"] == 4096 + 8 * 64

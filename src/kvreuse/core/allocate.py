@@ -93,6 +93,8 @@ def step_saves(
     """Saves of one step in pop order: (position, first purpose, also planned)."""
     u = geo.hash_unit
     decode = start >= len(req.tokens) - 1 and start > 0
+    if decode and end // u == start // u and not any(start < c <= end for c in planned):
+        return []  # most decode steps: no unit boundary, nothing planned in (start, end]
     floor = start + 1 if decode else max(start + 1, end // u * u - geo.kappa * u)
     rolling = {c for c in range(-(-floor // u) * u, end + 1, u) if c > start}
     chosen: dict[int, str] = {c: "rolling" for c in rolling}

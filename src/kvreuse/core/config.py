@@ -55,10 +55,11 @@ class GroupGeometry:
     role: str
     cacheable: bool
     scratch: int
+    # a stored field, not a property: read on every allocate and commit of every request
+    is_attention: bool = field(init=False, repr=False, compare=False)
 
-    @property
-    def is_attention(self) -> bool:
-        return self.kind != "recurrent"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "is_attention", self.kind != "recurrent")
 
     @property
     def is_draft(self) -> bool:

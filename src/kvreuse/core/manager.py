@@ -118,6 +118,21 @@ class KVCacheManager:
         self, req_id: str, num_new_tokens: int, lookup: LookupResult | None, num_extra_slots: int
     ) -> RequestState:
         st = self._get(req_id, "allocate")
+        if (  # the common growth (decode, next prefill chunk): provably valid, checked inline
+            lookup is None
+            and type(num_new_tokens) is int
+            and num_extra_slots == 0
+            and st.phase is Phase.RUNNING
+            and st.open_plan is None
+            and st.deferred is None
+            and not st.inflight
+            and num_new_tokens > 0
+            and (
+                st.scheduled == len(st.tokens) - 1  # decode (plus drafts)
+                or st.scheduled + num_new_tokens <= len(st.tokens)  # prefill within N
+            )
+        ):
+            return st
         check_allocate(
             st,
             num_new_tokens,
