@@ -134,11 +134,12 @@ def test_speculative_decoding(mode: str) -> None:
     for i in range(4):
         sched.add(Request(f"r{i}", tokens(100, i)), max_tokens=40)
     steps = drain(sched)
-    assert all(len(s.output) >= 40 for s in sched.seqs.values())
     # drafts were accepted: fewer decode steps than generated tokens
     assert len(steps) < 4 * 40
     for s in sched.seqs.values():
-        assert s.output[:40] == [token_at(s.request_id, 100 + p) for p in range(40)]
+        # exactly max_tokens, even when the last step accepted drafts past it
+        assert s.output == [token_at(s.request_id, 100 + p) for p in range(40)]
+        assert s.finish_reason == "length"
     reconcile(sched)
 
 
@@ -159,3 +160,40 @@ def test_burst_with_a_shared_prefix_computes_it_once_with_deferral() -> None:
         reconcile(sched)
     assert computed[True] < computed[False]
     assert computed[True] <= 1024 + 32 * (64 + 64)  # the prefix once, suffixes (and re-copies)
+
+
+def test_stop_tokens_end_a_request_and_free_its_blocks() -> None:
+    mgr = KVCacheManager(CacheConfig(num_blocks=512, **SMALL))
+    sched = Scheduler(mgr, FakeEngine(), SchedulerConfig(max_num_batched_tokens=128))
+    stop = token_at("s", 100 + 5)  # the sixth generated token
+    sched.add(Request("s", tokens(100, 1)), max_tokens=50, stop_token_ids={stop})
+    sched.add(Request("t", tokens(100, 2)), max_tokens=20)
+    drain(sched)
+    s, t = sched.seqs["s"], sched.seqs["t"]
+    first = next(i for i in range(50) if token_at("s", 100 + i) == stop)
+    assert s.output == [token_at("s", 100 + i) for i in range(first + 1)]
+    assert (s.finish_reason, t.finish_reason) == ("stop", "length") and len(t.output) == 20
+    reconcile(sched)
+
+
+def test_a_request_that_can_never_fit_is_rejected_not_spun_on() -> None:
+    mgr = KVCacheManager(CacheConfig(num_blocks=16, **SMALL))  # far too small for 2,000 tokens
+    sched = Scheduler(mgr, FakeEngine(), SchedulerConfig(max_num_batched_tokens=4096))
+    sched.add(Request("huge", tokens(2000, 1)), max_tokens=4)
+    sched.add(Request("ok", tokens(30, 2)), max_tokens=4)
+    steps = drain(sched, max_steps=50)
+    assert steps[0].rejected == ["huge"] and sched.seqs["huge"].finish_reason == "too_large"
+    assert sched.seqs["huge"].output == [] and len(sched.seqs["ok"].output) == 4
+    assert "huge" not in mgr.requests
+    reconcile(sched)
+
+
+def test_abort_twice_or_after_finish_is_a_no_op() -> None:
+    mgr = KVCacheManager(CacheConfig(num_blocks=512, **SMALL))
+    sched = Scheduler(mgr, FakeEngine(), SchedulerConfig())
+    sched.add(Request("a", tokens(40, 1)), max_tokens=2)
+    drain(sched)
+    sched.abort("a")
+    sched.abort("a")
+    assert sched.seqs["a"].finish_reason == "length"
+    reconcile(sched)

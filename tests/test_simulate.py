@@ -146,3 +146,22 @@ def test_report_shows_the_deferral_comparison(tmp_path) -> None:
     report = (out / "report.md").read_text()
     assert "## In-batch prefix sharing" in report
     assert f"| without deferral | {off['prefill_tokens_computed']:,} |" in report
+
+
+def test_a_prompt_larger_than_the_cache_fails_the_run_loudly(tmp_path) -> None:
+    from kvreuse.cli import main
+
+    wl = tmp_path / "big.jsonl"
+    lines = [
+        {"id": "big", "prompt": {"random": {"seed": 1, "len": 20_000}}, "max_tokens": 1},
+        {"id": "after", "prompt": {"history": "big"}, "max_tokens": 1},
+    ]
+    wl.write_text("\n".join(json.dumps(o) for o in lines) + "\n")
+    geo = tmp_path / "g.toml"
+    geo.write_text('[cache]\nnum_blocks = 64\n[[groups]]\nkind = "full"\nblock_size = 16\n')
+    out = tmp_path / "o"
+    assert main(["simulate", str(geo), str(wl), "--out", str(out), "--quiet", "--no-plots"]) == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["reconciliation"]["every_request_fits"] is False
+    rows = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
+    assert [r["finish_reason"] for r in rows] == ["too_large", "too_large"]

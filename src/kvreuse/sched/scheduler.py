@@ -16,7 +16,7 @@ deterministic tokens and accepts drafts with a seeded model, for simulation and 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +57,8 @@ class Seq:
     deferred_steps: int = 0
     cached_tokens: int | None = None
     sampling: Any = None  # the engine's per-request sampling parameters (opaque here)
+    stop_token_ids: frozenset[int] = frozenset()
+    finish_reason: str | None = None  # "length" | "stop" | "abort" | "too_large"
     stats: RequestStats | None = None  # the core's final statistics, kept at finish
     finished: bool = False
 
@@ -78,6 +80,7 @@ class StepStats:
     preempted: list[str]
     deferred: list[str]
     finished: list[str]
+    rejected: list[str] = field(default_factory=list)  # can never fit the pool: finished
 
 
 class Scheduler:
@@ -95,20 +98,33 @@ class Scheduler:
         self.num_steps = 0
 
     # ------------------------------------------------------------------ requests
-    def add(self, request: Request, max_tokens: int, sampling: Any = None) -> Seq:
-        """Queue a request; `sampling` is handed to the engine untouched (as `seq.sampling`)."""
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be ≥ 1, got {max_tokens}")
+    def add(
+        self,
+        request: Request,
+        max_tokens: int,
+        sampling: Any = None,
+        stop_token_ids: Collection[int] = (),
+    ) -> Seq:
+        """Queue a request; `sampling` is handed to the engine untouched (as `seq.sampling`).
+
+        The request finishes after `max_tokens` generated tokens, or right after the first
+        generated token in `stop_token_ids` (that token is kept in `output`)."""
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int ≥ 1, got {max_tokens!r}")
         self.mgr.add_request(request)
         num = len(request.prompt_token_ids)
         seq = Seq(request, max_tokens, num, num, sampling=sampling)
+        seq.stop_token_ids = frozenset(stop_token_ids)
         self.seqs[seq.request_id] = seq
         self.waiting.append(seq)
         return seq
 
     def abort(self, request_id: str) -> None:
         seq = self.seqs[request_id]
+        if seq.finished:
+            return  # already finished (or aborted): nothing to free
         seq.stats = self.mgr.finish(request_id)
+        seq.finish_reason = "abort"
         self._drop(seq)
 
     def has_work(self) -> bool:
@@ -170,6 +186,9 @@ class Scheduler:
                 continue
             num_new = self._num_new(seq, res.hit, budget, lookup=res)
             if self.mgr.allocate(seq.request_id, num_new, lookup=res) is None:
+                if not self.running:  # the whole pool is free for it, and it still won't fit
+                    self._reject(seq, stats)
+                    continue
                 keep.append(seq)  # FCFS: nothing behind it may jump the queue
                 keep.extend(self.waiting)
                 self.waiting.clear()
@@ -210,15 +229,30 @@ class Scheduler:
         else:
             stats.num_prefill_tokens += num_new
 
+    def _reject(self, seq: Seq, stats: StepStats) -> None:
+        """Finish a request whose first chunk cannot fit even an empty pool (else: a hang)."""
+        seq.stats = self.mgr.finish(seq.request_id)
+        seq.finished, seq.finish_reason = True, "too_large"
+        stats.rejected.append(seq.request_id)
+
     def _apply(self, step: StepPlan, outcomes: Mapping[str, tuple[Any, ...]]) -> None:
         for plan in step.requests:
             seq = self.seqs[plan.request_id]
             t_new, new_tokens = outcomes[plan.request_id][:2]
-            seq.output.extend(new_tokens)
-            seq.num_tokens += len(new_tokens)
             seq.scheduled = t_new  # rejected drafts are scheduled again
-            if len(seq.output) >= seq.max_tokens:
-                seq.finished = True
+            seq.num_tokens += len(new_tokens)
+            # Accepted drafts may run past max_tokens or a stop token: the core keeps them (their
+            # KV is valid), the output ends where the request does.
+            room = seq.max_tokens - len(seq.output)
+            new = new_tokens[:room]
+            if seq.stop_token_ids:
+                stop = next((i for i, t in enumerate(new) if t in seq.stop_token_ids), None)
+                if stop is not None:
+                    new, seq.finish_reason = new[: stop + 1], "stop"
+            seq.output.extend(new)
+            if seq.finish_reason is None and len(seq.output) >= seq.max_tokens:
+                seq.finish_reason = "length"
+            seq.finished = seq.finish_reason is not None
 
     def _finish_done(self, stats: StepStats) -> None:
         for seq in [s for s in self.running if s.finished]:

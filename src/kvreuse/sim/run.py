@@ -79,7 +79,7 @@ def simulate(
         for seq in sched.running:
             if seq.output and seq.request_id not in first_token:
                 first_token[seq.request_id] = clock
-        for rid in st.finished:
+        for rid in (*st.finished, *st.rejected):
             seq = sched.seqs[rid]
             first_token.setdefault(rid, clock)
             history[rid] = list(seq.request.prompt_token_ids) + seq.output
@@ -136,6 +136,7 @@ def _row(
         "reason": stats.reason if stats else "not_admitted",
         "output_tokens": len(seq.output),
         "preemptions": seq.preemptions,
+        "finish_reason": seq.finish_reason,
         "ttft_estimate_s": round(first_token[w.request_id] - arrived[w.request_id], 6),
     }
 
@@ -151,9 +152,14 @@ def _summary(
     cached = sum(r["cached_tokens"] for r in rows)
     checks = {
         "cached_tokens_equal_hits": cached == m["prefix_cache_hits"],
-        "prompts_equal_queries": sum(r["prompt_tokens"] for r in rows) == m["prefix_cache_queries"],
+        "prompts_equal_queries": sum(
+            r["prompt_tokens"] for r in rows if r["finish_reason"] != "too_large"
+        )
+        == m["prefix_cache_queries"],
         "every_request_finished": all(s.stats is not None for s in sched.seqs.values())
         and len(rows) == m["prefix_cache_requests"],
+        # a request whose prompt cannot fit even an empty pool is rejected by the scheduler
+        "every_request_fits": not any(r["finish_reason"] == "too_large" for r in rows),
     }
     try:
         mgr.check_invariants()
@@ -164,7 +170,7 @@ def _summary(
         "requests": len(rows),
         "queries": m["prefix_cache_queries"],
         "hits": m["prefix_cache_hits"],
-        "hit_rate": m["prefix_cache_hits"] / m["prefix_cache_queries"] if rows else 0.0,
+        "hit_rate": m["prefix_cache_hits"] / max(1, m["prefix_cache_queries"]),
         "preemptions": sum(r["preemptions"] for r in rows),
         "evicted_blocks": m["kv_blocks_evicted_total"],
         "retained_blocks": m["kv_blocks_cached"],
