@@ -1,0 +1,61 @@
+"""Save and load a model directory: `config.json` + `model.safetensors` (HF layout).
+
+Loading checks the file against the config: every expected tensor present, none extra, exact
+shapes, float dtype; each failure is a ValueError naming the file and the tensor.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from kvreuse.engine.config import ModelConfig
+from kvreuse.engine.model import TinyModel, expected_shapes
+
+WEIGHTS = "model.safetensors"
+
+
+def save_model(model: TinyModel, directory: str | Path) -> Path:
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    model.config.save(path)
+    tensors = {k: v.contiguous() for k, v in model.w.items()}
+    save_file(tensors, str(path / WEIGHTS), metadata={"format": "pt"})
+    return path
+
+
+def load_model(directory: str | Path) -> TinyModel:
+    path = Path(directory)
+    if not path.is_dir():
+        raise ValueError(f"{path}: not a model directory (config.json + {WEIGHTS})")
+    cfg = ModelConfig.load(path)
+    file = path / WEIGHTS
+    if not file.is_file():
+        raise ValueError(f"{file}: missing")
+    try:
+        weights = load_file(str(file))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ValueError(f"{file}: corrupt or not a safetensors file ({exc})") from None
+    check_weights(cfg, weights, str(file))
+    return TinyModel(cfg, {k: v.to(torch.float32) for k, v in weights.items()})
+
+
+def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], where: str) -> None:
+    want = expected_shapes(cfg)
+    missing = sorted(set(want) - set(weights))
+    if missing:
+        raise ValueError(f"{where}: missing tensor(s) {missing[:5]} (config.json expects them)")
+    extra = sorted(set(weights) - set(want))
+    if extra:
+        raise ValueError(f"{where}: unexpected tensor(s) {extra[:5]} not implied by config.json")
+    for name, shape in want.items():
+        t = weights[name]
+        if tuple(t.shape) != shape:
+            raise ValueError(
+                f"{where}: tensor {name} has shape {tuple(t.shape)}, config.json implies {shape}"
+            )
+        if not t.is_floating_point():
+            raise ValueError(f"{where}: tensor {name} has dtype {t.dtype}; expected a float type")

@@ -1,0 +1,169 @@
+"""Paged KV and recurrent-state storage, and the per-step context the model runs in.
+
+Layout (one tensor pair per attention layer, one state tensor per recurrent layer, each with
+`num_blocks` slots indexed by the core's block ids; block 0 is the never-read null block):
+
+    K, V   [R, num_blocks, block_size, kv_heads, head_dim]   R = dcp if the group is sharded
+    state  [num_blocks, heads, key_dim, value_dim]            replicated (never sharded)
+
+A sharded page of B = block_size × R tokens is interleaved over the R simulated ranks: token p
+lives on rank p mod R, in the block `table[p // B]`, at local slot (p mod B) // R.
+
+    page j (B = 8, R = 4, block_size 2):  positions 8j .. 8j+7
+      rank 0: 8j+0 8j+4      rank 1: 8j+1 8j+5      rank 2: 8j+2 8j+6      rank 3: 8j+3 8j+7
+              slot0 slot1
+
+The same block id names the page on every rank, so a Copy (CoW, E1) copies block src to dst on
+every rank and for every layer of the group. Attention is computed per rank over that rank's
+keys and merged by log-sum-exp (`kernels.merge_partials`), as a DCP engine does.
+
+Each group gets its own tensors (spec §4 allows it: (number of groups)× the memory of vLLM's
+shared-slot layout, which a tiny CPU model can afford).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvreuse.core import CacheConfig, RequestPlan
+from kvreuse.core.config import Geometry
+from kvreuse.core.plan import Copy
+from kvreuse.engine.config import ModelConfig
+from kvreuse.engine.kernels import attention_partial, gated_scan, merge_partials
+
+
+def map_layers(model: ModelConfig, geo: Geometry) -> dict[str, int]:
+    """Layer name -> group id. Raises ValueError when the geometry lacks a group a layer needs."""
+
+    def first(kind: str, role: str = "target") -> int | None:
+        return next((g.group_id for g in geo.groups if g.kind == kind and g.role == role), None)
+
+    out: dict[str, int] = {}
+    for i, kind in enumerate(model.layer_types):
+        gid = first(kind)
+        if gid is None:
+            raise ValueError(
+                f"layer {i} is {kind!r} but the geometry has no {kind!r} group of role target; "
+                f"groups: {[g.describe() for g in geo.groups]}"
+            )
+        g = geo.groups[gid]
+        if kind == "sliding" and g.window != model.sliding_window:
+            raise ValueError(
+                f"layer {i}: model sliding_window {model.sliding_window} differs from the "
+                f"geometry's window {g.window} ({g.describe()})"
+            )
+        out[f"layers.{i}"] = gid
+    draft = first("full", "draft")
+    if model.draft_head and draft is not None:
+        out["draft"] = draft
+    return out
+
+
+class PagedCache:
+    def __init__(self, cache: CacheConfig, model: ModelConfig, dtype: torch.dtype) -> None:
+        geo = cache.geometry
+        self.geo = geo
+        self.dcp = cache.dcp_size
+        self.layer_group = map_layers(model, geo)
+        self.members: dict[int, list[str]] = {}
+        self.kv: dict[str, tuple[Tensor, Tensor]] = {}
+        self.state: dict[str, Tensor] = {}
+        n = geo.num_blocks
+        for layer, gid in self.layer_group.items():
+            g = geo.groups[gid]
+            self.members.setdefault(gid, []).append(layer)
+            if g.is_attention:
+                ranks = self.dcp if g.sharded else 1
+                shape = (ranks, n, g.block_size, model.num_key_value_heads, model.head_dim)
+                self.kv[layer] = (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+            else:
+                shape = (
+                    n,
+                    model.recurrent_heads,
+                    model.recurrent_key_dim,
+                    model.recurrent_value_dim,
+                )
+                self.state[layer] = torch.zeros(shape, dtype=dtype)
+
+    def copy(self, c: Copy) -> None:
+        """E1: duplicate block src into dst for every layer of the group, on every rank."""
+        for layer in self.members.get(c.group_id, []):
+            if layer in self.kv:
+                for t in self.kv[layer]:
+                    t[:, c.dst] = t[:, c.src]
+            else:
+                self.state[layer][c.dst] = self.state[layer][c.src]
+
+    def ranks(self, layer: str) -> int:
+        return self.kv[layer][0].shape[0]
+
+    def locate(self, layer: str, table: list[int], pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(rank, block, slot) of each absolute position (the diagram above)."""
+        ranks = self.ranks(layer)
+        page = self.kv[layer][0].shape[2] * ranks
+        blocks = torch.tensor(table, dtype=torch.long)[pos // page]
+        return pos % ranks, blocks, (pos % page) // ranks
+
+
+class PagedContext:
+    """One request's forward over positions [start, end) against the paged cache.
+
+    Recurrent layers keep the state after every count in `want` in memory; `finish(t_new)`
+    then writes `live` and the saves, so states after rejected drafts never reach the cache.
+    """
+
+    def __init__(
+        self, cache: PagedCache, plan: RequestPlan, positions: Tensor, want: set[int]
+    ) -> None:
+        self.cache = cache
+        self.plan = plan
+        self.positions = positions
+        self.start = int(positions[0])
+        self.want = want
+        self.states: dict[str, dict[int, Tensor]] = {}
+
+    def attend(self, layer: str, q: Tensor, k: Tensor, v: Tensor, window: int | None) -> Tensor:
+        cache, pos = self.cache, self.positions
+        table = self.plan.tables[cache.layer_group[layer]]
+        kc, vc = cache.kv[layer]
+        r, b, s = cache.locate(layer, table, pos)
+        kc[r, b, s], vc[r, b, s] = k, v  # E2: only this step's positions, own table
+        lo = 0 if window is None else max(0, self.start - window + 1)
+        keys = torch.arange(lo, int(pos[-1]) + 1)
+        parts = []
+        for rank in range(cache.ranks(layer)):
+            mine = keys[keys % cache.ranks(layer) == rank]
+            if mine.numel() == 0:
+                continue
+            rr, bb, ss = cache.locate(layer, table, mine)
+            parts.append(attention_partial(q, pos, kc[rr, bb, ss], vc[rr, bb, ss], mine, window))
+        return merge_partials(parts)
+
+    def recur(self, layer: str, q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor) -> Tensor:
+        slot = self.plan.recurrent[self.cache.layer_group[layer]]
+        if slot.init == "zero":
+            s0 = q.new_zeros(self.cache.state[layer].shape[1:])
+        else:  # "copy" (the step's copies already filled live) or "keep"
+            s0 = self.cache.state[layer][slot.live].clone()
+        offsets = {c - self.start for c in self.want if self.start < c <= self.start + len(q)}
+        out, _, states = gated_scan(q, k, v, log_decay, s0, offsets)
+        self.states[layer] = {self.start + i: st for i, st in states.items()}
+        return out
+
+    def finish(self, t_new: int) -> list[int]:
+        """E3/E6: leave the state after t_new tokens in `live`, write the saves at positions
+        <= t_new, and return the positions written."""
+        cache = self.cache
+        for layer, states in self.states.items():
+            slot = self.plan.recurrent[cache.layer_group[layer]]
+            cache.state[layer][slot.live] = states[t_new]
+        saved = []
+        for save in self.plan.saves:
+            layers = cache.members.get(save.group_id, [])
+            if save.position > t_new or any(save.position not in self.states[x] for x in layers):
+                continue
+            for layer in layers:
+                cache.state[layer][save.block] = self.states[layer][save.position]
+            saved.append(save.position)
+        return saved
