@@ -165,3 +165,18 @@ def test_a_prompt_larger_than_the_cache_fails_the_run_loudly(tmp_path) -> None:
     assert summary["reconciliation"]["every_request_fits"] is False
     rows = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
     assert [r["finish_reason"] for r in rows] == ["too_large", "too_large"]
+
+
+def test_a_simulation_leaves_no_cyclic_garbage() -> None:
+    """simulate() pauses the cycle collector; that is safe only while nothing builds cycles."""
+    import gc
+
+    wl = load(agent(2, 4, 32, 64, 8) + shared_prefix(300, 40, 8, max_tokens=4))
+    gc.collect()
+    gc.disable()
+    try:
+        res = simulate(preset("sliding-hybrid"), wl)
+        del res
+        assert gc.collect() == 0
+    finally:
+        gc.enable()

@@ -127,6 +127,13 @@ class Scheduler:
         seq.finish_reason = "abort"
         self._drop(seq)
 
+    def pop_finished(self, request_id: str) -> Seq:
+        """Hand over a finished request's `Seq` and forget it (a long run keeps no history)."""
+        seq = self.seqs[request_id]
+        if not seq.finished:
+            raise ValueError(f"pop_finished: request {request_id!r} has not finished")
+        return self.seqs.pop(request_id)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -44,6 +44,10 @@ class WorkloadRequest:
     cache_salt: str | None = None
     lora: tuple[str, str] | None = None
 
+    def histories(self) -> set[str]:
+        """Ids whose tokens this prompt quotes with {"history": id}."""
+        return set(_histories(self.prompt))
+
     def dependencies(self) -> set[str]:
         deps = set(_histories(self.prompt))
         if self.after is not None:
