@@ -140,9 +140,65 @@ def _add_workload(sub: argparse._SubParsersAction) -> None:
     for kind, options in specs.items():
         p = kinds.add_parser(kind)
         for flag, typ, default in options:
-            p.add_argument(flag, type=typ, default=default)
+            # `--len` is accepted for `--length` (the and the workload format's name)
+            aliases = ("--len",) if flag == "--length" else ()
+            p.add_argument(flag, *aliases, type=typ, default=default)
         p.add_argument("--seed", type=int, default=0)
         p.set_defaults(func=_cmd_workload)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from kvreuse.serve.backend import default_backend, fake_backend
+    from kvreuse.serve.server import serve_forever
+
+    try:
+        if args.fake:
+            backend = fake_backend(args.geometry, num_blocks=args.num_blocks)
+        else:
+            backend = default_backend(args.model, args.geometry, args.num_blocks)
+    except (RuntimeError, ValueError, OSError) as exc:
+        print(f"kvreuse serve: {exc}", file=sys.stderr)
+        return 2
+    from kvreuse.serve.app import create_app
+
+    app = create_app(backend, max_pending=args.max_pending)
+    print(f"kvreuse serve: {backend.name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    serve_forever(app, args.host, args.port)
+    return 0
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible server with exact cached-token usage")
+    p.add_argument("--model", default=None, help="model directory (default: the embedded tiny)")
+    p.add_argument("--geometry", default=None, help="geometry preset name or TOML file")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--num-blocks", type=int, default=None, help="override the cache size")
+    p.add_argument("--max-pending", type=int, default=256, help="requests in flight before 429")
+    p.add_argument("--fake", action="store_true", help="deterministic fake model (no torch)")
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_qualify(args: argparse.Namespace) -> int:
+    from kvreuse.serve.qualify import main as qualify_main
+
+    return qualify_main(args)
+
+
+def _add_qualify(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("qualify", help="check a server's cached tokens against the spec")
+    p.add_argument("--url", default=None, help="server to check (default: start one in-process)")
+    p.add_argument("--out", default="qualify-out", help="directory for qualify.json / .md")
+    p.add_argument("--quick", action="store_true", help="small scenarios (seconds)")
+    p.add_argument("--model", default=None, help="in-process server: model directory")
+    p.add_argument("--geometry", default=None, help="in-process server: preset or TOML file")
+    p.add_argument("--fake", action="store_true", help="in-process server: fake model")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="in-process server: cache size (default 256, small enough to fill)")
+    p.add_argument("--max-fill-tokens", type=int, default=None,
+                   help="token budget of scenario (e); larger caches are skipped")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_qualify)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -157,6 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvreuse.sim.cli import add_parser as _add_simulate
 
     _add_simulate(sub)
+    _add_serve(sub)
+    _add_qualify(sub)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

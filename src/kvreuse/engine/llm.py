@@ -33,7 +33,9 @@ class RequestOutput:
     finish_reason: str  # "length" | "stop"
 
 
-def default_model_config(cache: CacheConfig) -> ModelConfig:
+def default_model_config(
+    cache: CacheConfig, vocab_size: int = ByteTokenizer.vocab_size
+) -> ModelConfig:
     """The seeded default model for a geometry: one layer per target group kind (twice when the
     geometry has at most two kinds), a draft head when there is a draft group."""
     groups = cache.geometry.groups
@@ -45,7 +47,9 @@ def default_model_config(cache: CacheConfig) -> ModelConfig:
     window = next((g.window for g in groups if g.kind == "sliding"), None)
     draft = any(g.kind == "full" and g.role == "draft" for g in groups)
     layers = kinds * 2 if len(kinds) <= 2 else kinds
-    return ModelConfig(layer_types=tuple(layers), sliding_window=window, draft_head=draft)
+    return ModelConfig(
+        vocab_size=vocab_size, layer_types=tuple(layers), sliding_window=window, draft_head=draft
+    )
 
 
 class LLM:
@@ -67,7 +71,10 @@ class LLM:
             changes["num_blocks"] = num_blocks
         cache = replace(geo.cache, **changes)  # type: ignore[arg-type]
         if model is None:
-            self.model = TinyModel.random(default_model_config(cache), seed)
+            # the embedded model's vocabulary is exactly its tokenizer's, so every id it
+            # generates decodes to text
+            tok = self._load_tokenizer(None, tokenizer)
+            self.model = TinyModel.random(default_model_config(cache, tok.vocab_size), seed)
             self.model_name = f"kvreuse-tiny-{geo.name}"
         else:
             self.model = load_model(model)
@@ -86,10 +93,14 @@ class LLM:
         self.max_model_len = min(geo.max_model_len or limit, limit)
         self._ids = itertools.count()
 
-    def _tokenizer(self, model: str | None, path: str | None) -> Tokenizer:
+    @staticmethod
+    def _load_tokenizer(model: str | None, path: str | None) -> Tokenizer:
         if path is None and model is not None and (Path(model) / "tokenizer.json").is_file():
             path = str(Path(model) / "tokenizer.json")
-        tok: Tokenizer = HFTokenizer(path) if path is not None else ByteTokenizer()
+        return HFTokenizer(path) if path is not None else ByteTokenizer()
+
+    def _tokenizer(self, model: str | None, path: str | None) -> Tokenizer:
+        tok = self._load_tokenizer(model, path)
         if tok.vocab_size > self.model.config.vocab_size:
             raise ValueError(
                 f"tokenizer vocab_size {tok.vocab_size} exceeds the model's "

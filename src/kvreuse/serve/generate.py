@@ -1,0 +1,174 @@
+"""From a validated OpenAI request to tokens and back: prompt checks, the request's life in the
+step loop (with disconnect detection), incremental detokenisation and stop strings."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request as HttpRequest
+
+from kvreuse.serve.backend import Backend
+from kvreuse.serve.loop import Delta, EngineLoop, Overloaded, Unavailable
+from kvreuse.serve.protocol import ApiError, _Common
+
+DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass
+class Gen:
+    """One generation: what to run and what came out so far."""
+
+    rid: str
+    prompt: list[int]
+    max_tokens: int
+    sampling: Any
+    salt: str | None
+    stop_ids: frozenset[int]
+    stop_strs: tuple[str, ...]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+
+    def usage(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": len(self.prompt),
+            "completion_tokens": len(self.token_ids),
+            "total_tokens": len(self.prompt) + len(self.token_ids),
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+def check_model(backend: Backend, model: str | None) -> None:
+    if model is not None and model != backend.name:
+        raise ApiError(
+            400, f"the model {model!r} does not exist; this server serves {backend.name!r}",
+            param="model", code="model_not_found",
+        )
+
+
+def prepare(backend: Backend, req: _Common, prompt: list[int], prefix: str,
+            max_tokens: int | None) -> Gen:
+    """Check a request against the model and the cache; 400 naming the problem."""
+    check_model(backend, req.model)
+    if req.n != 1:
+        raise ApiError(400, "only n = 1 is supported", param="n")
+    if not prompt:
+        raise ApiError(400, "the prompt is empty; at least one token is needed", param="prompt")
+    vocab = backend.token_limit
+    bad = next((t for t in prompt if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {vocab})",
+                       param="prompt")
+    limit = backend.max_model_len
+    if len(prompt) >= limit:
+        raise ApiError(400, f"this model's maximum context length is {limit} tokens; the prompt "
+                       f"has {len(prompt)}", param="prompt", code="context_length_exceeded")
+    n = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    if n < 1:
+        raise ApiError(400, f"max_tokens must be at least 1, got {n}", param="max_tokens")
+    if len(prompt) + n > limit:
+        raise ApiError(400, f"this model's maximum context length is {limit} tokens; the prompt "
+                       f"({len(prompt)}) plus max_tokens ({n}) exceed it", param="max_tokens",
+                       code="context_length_exceeded")
+    cfg = backend.mgr.config
+    need = cfg.blocks_for_request(len(prompt) + n)
+    if need > cfg.num_blocks - 1:
+        raise ApiError(400, f"the request needs {need} KV blocks; the cache has "
+                       f"{cfg.num_blocks - 1}", param="max_tokens")
+    for name, value, lo, hi in (("temperature", req.temperature, 0, 2), ("top_p", req.top_p, 0, 1)):
+        if value is not None and not lo <= value <= hi:
+            raise ApiError(400, f"{name} must be in [{lo}, {hi}], got {value}", param=name)
+    stop_ids = set()
+    eos = backend.tokenizer.eos_token_id
+    if eos is not None and not req.ignore_eos:
+        stop_ids.add(eos)
+    stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    sampling = make_sampling(backend, req, n, frozenset(stop_ids))
+    return Gen(f"{prefix}-{uuid.uuid4().hex}", prompt, n, sampling, req.cache_salt,
+               frozenset(stop_ids), tuple(s for s in stops if s))
+
+
+def make_sampling(backend: Backend, req: _Common, max_tokens: int, stop: frozenset[int]) -> Any:
+    try:
+        return backend.make_sampling(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else float(req.temperature),
+            top_p=1.0 if req.top_p is None else float(req.top_p),
+            top_k=req.top_k or 0,
+            seed=req.seed,
+            stop_token_ids=tuple(sorted(stop)),
+        )
+    except (ValueError, TypeError) as exc:
+        raise ApiError(400, f"invalid sampling parameters: {exc}") from None
+
+
+def submit(engine: EngineLoop, gen: Gen) -> asyncio.Queue[Delta]:
+    try:
+        return engine.submit(gen.rid, gen.prompt, gen.max_tokens, gen.sampling, gen.salt,
+                             gen.stop_ids)
+    except Overloaded as exc:
+        raise ApiError(429, f"the server is overloaded: {exc}; retry later",
+                       type="rate_limit_exceeded", code="overloaded") from None
+    except Unavailable as exc:
+        raise ApiError(503, str(exc), type="service_unavailable") from None
+
+
+async def _watch_disconnect(http: HttpRequest, out: asyncio.Queue[Delta]) -> None:
+    while True:
+        message = await http.receive()
+        if message["type"] == "http.disconnect":
+            out.put_nowait(Delta([], None, "disconnect"))
+            return
+
+
+async def run(engine: EngineLoop, backend: Backend, gen: Gen, out: asyncio.Queue[Delta],
+              http: HttpRequest) -> AsyncIterator[str]:
+    """Drive `gen` (already `submit`ted, its deltas arrive in `out`) to its end, yielding text.
+
+    A client disconnect ends the iteration with finish_reason "disconnect"; leaving early for any
+    reason aborts the request in the step loop, which frees its blocks.
+    """
+    watcher = asyncio.ensure_future(_watch_disconnect(http, out))
+    finished = False
+    try:
+        while gen.finish_reason is None:
+            delta = await out.get()
+            if delta.error is not None:
+                raise ApiError(503 if delta.finish_reason == "error" else 500, delta.error,
+                               type="service_unavailable")
+            if delta.finish_reason == "disconnect":
+                gen.finish_reason = "disconnect"
+                return
+            if delta.cached_tokens is not None:
+                gen.cached_tokens = delta.cached_tokens
+            gen.token_ids.extend(delta.token_ids)
+            finished = delta.finish_reason is not None
+            text = _detok(backend, gen, delta.finish_reason)
+            if text:
+                yield text
+    finally:
+        watcher.cancel()
+        engine.release(gen.rid, finished)
+
+
+def _detok(backend: Backend, gen: Gen, reason: str | None) -> str:
+    """The new text since the last call; applies stop strings; sets gen.finish_reason."""
+    full = backend.tokenizer.decode(gen.token_ids)
+    for s in gen.stop_strs:
+        i = full.find(s, max(0, len(gen.text) - len(s)))
+        if i >= 0:
+            full, reason = full[:i], "stop"
+    if reason is None:
+        keep = max((len(s) for s in gen.stop_strs), default=1) - 1
+        if full.endswith("\ufffd"):
+            keep = max(keep, 1)
+        full = full[: max(len(gen.text), len(full) - keep)]
+    new = full[len(gen.text):]
+    gen.text = full
+    gen.finish_reason = reason
+    return new

@@ -1,0 +1,124 @@
+"""Prometheus metrics of the server, one `CollectorRegistry` per app.
+
+A custom collector reads a snapshot taken on the step-loop thread (the only thread that may call
+the manager), so a scrape sees the core's counters exactly: for any window,
+Σ usage.prompt_tokens_details.cached_tokens == Δ kvreuse:prefix_cache_hits_total.
+
+| kvreuse name                                  | vLLM name                                   |
+|-----------------------------------------------|---------------------------------------------|
+| kvreuse:prefix_cache_queries_total            | vllm:prefix_cache_queries(_total)           |
+| kvreuse:prefix_cache_hits_total               | vllm:prefix_cache_hits(_total)              |
+| kvreuse:kv_cache_usage_perc                   | vllm:kv_cache_usage_perc (gpu_cache_usage_perc) |
+| kvreuse:num_requests_running / _waiting       | vllm:num_requests_running / _waiting        |
+| kvreuse:num_preemptions_total                 | vllm:num_preemptions(_total)                |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvreuse.serve.backend import Backend
+from kvreuse.serve.loop import LoopStats
+
+P = "kvreuse:"
+
+# (snapshot key, metric name without _total, help)
+COUNTERS = (
+    ("prefix_cache_requests", "prefix_cache_requests", "Requests admitted for the first time."),
+    ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up (first admissions)."),
+    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens served from the prefix cache."),
+    ("prefix_cache_preempted_requests", "prefix_cache_preempted_requests", "Re-admissions."),
+    ("prefix_cache_preempted_queries", "prefix_cache_preempted_queries", "Tokens re-looked up."),
+    ("prefix_cache_preempted_hits", "prefix_cache_preempted_hits", "Tokens re-hit."),
+    ("kv_blocks_evicted_total", "kv_blocks_evicted", "Cached blocks evicted for reuse."),
+)
+LABELLED = (
+    ("prefix_cache_reason_total", "prefix_cache_reason", "reason", "First admissions by reason."),
+    ("kv_entries_removed_total", "kv_entries_removed", "cause", "Index keys removed."),
+    ("kv_entries_published_total", "kv_entries_published", "kind", "Index keys published."),
+    ("kv_cow_copies_total", "kv_cow_copies", "group_kind", "Copy-on-write page copies."),
+    ("kv_checkpoint_saves_total", "kv_checkpoint_saves", "outcome", "Recurrent state saves."),
+)
+BLOCK_GAUGES = (
+    ("kv_blocks_in_use", "kv_blocks_in_use", "Blocks referenced by requests."),
+    ("kv_blocks_cached", "kv_blocks_cached", "Unreferenced blocks that still carry keys."),
+)
+REASONS = (
+    "below_unit", "cap_reached", "recurrent_limited", "window_limited", "spec_decode_rewind",
+    "evicted", "no_entry", "disabled", "skip_read",
+)
+
+
+def take_snapshot(backend: Backend, stats: LoopStats) -> dict[str, Any]:
+    """Runs on the step-loop thread."""
+    snap = dict(backend.mgr.metrics())
+    sched = backend.scheduler
+    snap["num_requests_running"] = len(sched.running)
+    snap["num_requests_waiting"] = len(sched.waiting)
+    snap["num_preemptions"] = stats.preemptions
+    snap["num_steps"] = stats.steps
+    snap["request_finished"] = dict(stats.requests_finished)
+    return snap
+
+
+class SnapshotCollector(Collector):
+    """Yields the metric families of the last snapshot; `set()` before each scrape."""
+
+    def __init__(self) -> None:
+        self.snap: Mapping[str, Any] = {}
+
+    def set(self, snap: Mapping[str, Any]) -> None:
+        self.snap = snap
+
+    def describe(self) -> list[Metric]:
+        return []  # unchecked collector: families are built per scrape
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snap
+        if not s:
+            return
+        for key, name, doc in COUNTERS:
+            yield CounterMetricFamily(P + name, doc, value=float(s.get(key, 0)))
+        yield CounterMetricFamily(P + "num_preemptions", "Preemptions by recompute.",
+                                  value=float(s["num_preemptions"]))
+        yield from self._labelled(s)
+        yield GaugeMetricFamily(P + "kv_cache_usage_perc",
+                                "Fraction of KV blocks in use (0..1).", value=float(s["kv_usage"]))
+        yield GaugeMetricFamily(P + "kv_blocks_free", "Blocks with no reference and no key.",
+                                value=float(s["kv_blocks_free"]))
+        for key, name, doc in BLOCK_GAUGES:
+            fam = GaugeMetricFamily(P + name, doc, labels=["group_kind"])
+            for kind, v in sorted(s[key].items()):
+                fam.add_metric([kind], float(v))
+            yield fam
+        yield GaugeMetricFamily(P + "num_requests_running", "Requests in the running batch.",
+                                value=float(s["num_requests_running"]))
+        yield GaugeMetricFamily(P + "num_requests_waiting", "Requests waiting for admission.",
+                                value=float(s["num_requests_waiting"]))
+        fam = CounterMetricFamily(P + "request_finished", "Requests ended, by finish reason.",
+                                  labels=["finished_reason"])
+        for reason, v in sorted(s["request_finished"].items()):
+            fam.add_metric([reason], float(v))
+        yield fam
+
+    def _labelled(self, s: Mapping[str, Any]) -> Iterator[Metric]:
+        for key, name, label, doc in LABELLED:
+            fam = CounterMetricFamily(P + name, doc, labels=[label])
+            values: dict[str, Any] = dict(s.get(key, {}))
+            if key == "prefix_cache_reason_total":
+                values = {r: values.get(r, 0) for r in REASONS} | values
+            for lv, v in sorted(values.items()):
+                fam.add_metric([lv], float(v))
+            yield fam
+
+
+def new_registry() -> tuple[CollectorRegistry, SnapshotCollector]:
+    registry = CollectorRegistry(auto_describe=False)
+    collector = SnapshotCollector()
+    registry.register(collector)
+    return registry, collector

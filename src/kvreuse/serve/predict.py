@@ -1,0 +1,108 @@
+"""What a server's cached_tokens must be, computed without the server.
+
+`RulePredictor` applies the spec's rules to requests run one after another with nothing evicted:
+the oracle of spec §15 (`kvreuse.oracle`) answers each lookup on the entries earlier requests
+published (10.2–10.4: every unit boundary up to min(T, n·u) in attention groups; recurrent states
+at the replay point ρ(P) and its page floors, at the junction and its floors, and at the finish
+point φ(T)). It is exact while no block is evicted.
+
+`ShadowPredictor` replays the same requests through a fresh manager and scheduler of the same
+geometry, whose engine emits the server's own output tokens: exact under eviction too (scenario
+(e)), independent of the server's HTTP path, step loop, engine and counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvreuse.core import KVCacheManager, Request, StepPlan
+from kvreuse.core.allocate import replay_point
+from kvreuse.oracle import Entry, OracleRequest, ident, num_units, oracle
+from kvreuse.sched import Scheduler
+from kvreuse.sim.geometry import SimGeometry
+
+
+class RulePredictor:
+    def __init__(self, geo: SimGeometry) -> None:
+        self.geo = geo.cache.geometry
+        self.dense = geo.cache.recurrent_retention == "dense"
+        self.entries: set[Entry] = set()
+
+    def predict(self, prompt: list[int]) -> tuple[int, int | None]:
+        """(hit, junction) of a fresh request with this prompt."""
+        res = oracle(self.geo, OracleRequest(tuple(prompt), len(prompt)), self.entries)
+        return res.hit, res.junction
+
+    def publish(self, prompt: list[int], output: list[int], hit: int, junction: int | None) -> None:
+        """Add what a finished request published (T = P + len(output) − 1 committed)."""
+        geo, u = self.geo, self.geo.hash_unit
+        req = OracleRequest(tuple(prompt + output), len(prompt))
+        committed = len(req.tokens) - 1
+        n = num_units(geo, req)
+        top = min(committed, n * u) // u * u  # E rounded to the unit grid
+        groups = [g for g in geo.groups if g.cacheable]
+        for g in groups:
+            if g.kind != "recurrent":
+                for b in range(u, top + 1, u):
+                    self.entries.add((g.group_id, b, ident(geo, req, b)))
+        for g in groups:
+            if g.kind == "recurrent":
+                for c in self._states(g.page_size, len(prompt), committed, n, hit, junction):
+                    self.entries.add((g.group_id, c, ident(geo, req, c)))
+
+    def _states(self, m: int, prompt_len: int, committed: int, n: int, hit: int,
+                junction: int | None) -> set[int]:
+        """Positions of the recurrent states a request publishes (9.4, 10.4)."""
+        geo, u, s = self.geo, self.geo.hash_unit, self.geo.common_page
+        n_prompt = max(0, (prompt_len - geo.lookahead) // u)
+        marks = [replay_point(geo, prompt_len)]
+        if junction is not None and junction > hit:
+            marks.append(junction)
+        limit = min(committed, n * u)
+        planned = {c for x in marks for c in (x, x // m * m, x // s * s)}
+        out = {c for c in planned if hit < c <= min(limit, n_prompt * u)}
+        if self.dense:
+            out |= set(range((hit // m + 1) * m, limit + 1, m))
+        phi = min(committed // u, n) * u - (u if geo.spec_mode == "drop" else 0)
+        if phi > 0:
+            out.add(phi)  # the finish point, published at release (10.4)
+        return out
+
+
+class _ScriptedEngine:
+    """Emits the tokens the server produced; writes every save at or below T′ (E6)."""
+
+    def __init__(self) -> None:
+        self.script: dict[str, list[int]] = {}
+
+    def __call__(self, step: StepPlan, seqs: Mapping[str, Any]) -> dict[str, tuple[Any, ...]]:
+        out: dict[str, tuple[Any, ...]] = {}
+        for plan in step.requests:
+            seq = seqs[plan.request_id]
+            num = seq.num_tokens
+            if plan.end < num:
+                t_new, new = plan.end, []
+            else:
+                t_new, new = num, [self.script[plan.request_id][len(seq.output)]]
+            out[plan.request_id] = (t_new, new, [s.position for s in plan.saves
+                                                 if s.position <= t_new])
+        return out
+
+
+class ShadowPredictor:
+    def __init__(self, geo: SimGeometry) -> None:
+        self.engine = _ScriptedEngine()
+        self.sched = Scheduler(KVCacheManager(geo.cache), self.engine, geo.sched)
+        self.count = 0
+
+    def run(self, prompt: list[int], output: list[int], salt: str | None = None) -> int:
+        """Replay one request to its end; its cached tokens."""
+        self.count += 1
+        rid = f"shadow-{self.count}"
+        self.engine.script[rid] = list(output)
+        seq = self.sched.add(Request(rid, prompt, cache_salt=salt), max(1, len(output)))
+        while not seq.finished:
+            self.sched.step()
+        self.sched.seqs.pop(rid)
+        return seq.cached_tokens or 0
