@@ -224,6 +224,7 @@ def admit(
             rec[gid] = RecurrentSlot(live, tuple(scratch), "copy" if src is not None else "zero")
             new_blocks[gid] = [live, *scratch]
     req.tables = tables
+    req.window_lo = {}
     req.hit = h
     req.committed = h
     req.scheduled = end
@@ -261,15 +262,18 @@ def grow(mgr: KVCacheManager, req: RequestState, num_new: int, extra: int) -> Pl
         gid = g.group_id
         if g.is_attention:
             row = req.tables[gid]
-            fresh = pool.pop_many(gid, -(-(end + extra) // g.page_size) - len(row))
+            count = -(-(end + extra) // g.page_size) - len(row)
+            fresh = pool.pop_many(gid, count) if count > 0 else []  # most decode steps: none
             row.extend(fresh)
             new_blocks[gid] = fresh
         else:
             slots = req.recurrent[gid]
-            rec[gid] = RecurrentSlot(slots.live, tuple(slots.scratch), "keep")
+            if slots.keep is None:  # live and scratch stay fixed while the request runs
+                slots.keep = RecurrentSlot(slots.live, tuple(slots.scratch), "keep")
+            rec[gid] = slots.keep
             new_blocks[gid] = []
     req.scheduled = end
-    saves = _pop_saves(mgr, req, start, end)
+    saves = _pop_saves(mgr, req, start, end) if geo.caching_enabled else []
     plan = RequestPlan(
         req.request_id,
         start,

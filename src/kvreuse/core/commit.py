@@ -129,6 +129,8 @@ def _settle_saves(
     release: list[int],
 ) -> None:
     """10.1 step 3: publish valid planned saves, hold valid rolling ones, drop the rest."""
+    if not saves:
+        return
     pool, counters = mgr.pool, mgr.counters
     M = mgr.geo.groups[gid].page_size
     held = req.recurrent[gid].held
@@ -191,10 +193,16 @@ def _window_free(
     B = g.page_size
     limit = t_new - g.window + 1 if g.kind == "sliding" else t_new // g.chunk * g.chunk
     row = req.tables[gid]
-    for j in range(min(limit // B, len(row)) - 1, -1, -1):
+    top = min(limit // B, len(row))
+    lo = req.window_lo.get(gid, 0)
+    # Every page below `lo` was freed (or never held) by an earlier commit: the scan covers
+    # only what left the window since, not the whole table on every decode step.
+    for j in range(top - 1, lo - 1, -1):
         if row[j] != NULL:
             release.append(row[j])
             row[j] = NULL
+    if top > lo:
+        req.window_lo[gid] = top
 
 
 # ---------------------------------------------------------------------------- release

@@ -70,6 +70,7 @@ class RecurrentSlots:
     live: int = 0
     scratch: list[int] = field(default_factory=list)
     held: dict[int, int] = field(default_factory=dict)  # position -> block
+    keep: Any = None  # the RecurrentSlot(live, scratch, "keep") every growth plan repeats
 
 
 @dataclass(eq=False, slots=True)
@@ -88,6 +89,7 @@ class RequestState:
     scheduled: int = 0  # end of the last scheduled step
     hit: int = 0  # h of the current admission
     tables: dict[int, list[int]] = field(default_factory=dict)  # attention group -> pages
+    window_lo: dict[int, int] = field(default_factory=dict)  # pages below are all NULL (10.5)
     recurrent: dict[int, RecurrentSlots] = field(default_factory=dict)
     processed: dict[int, int] = field(default_factory=dict)  # d per attention group (10.3)
     planned: dict[int, dict[int, str]] = field(default_factory=dict)  # g -> {pos: purpose}
