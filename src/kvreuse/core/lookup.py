@@ -14,8 +14,10 @@ previous bound, which is valid because every later bound is at most the earlier 
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
+from itertools import compress
 
 from kvreuse.core.config import Geometry, GroupGeometry
 from kvreuse.core.pool import NULL, BlockPool
@@ -86,20 +88,20 @@ def _full_run(keys: Container[bytes], hashes: list[bytes], step: int, num_pages:
 class _Probe:
     """Acceptance of one group for one request over one key set (index, maybe plus pending)."""
 
-    __slots__ = ("F", "g", "has", "hi", "nu", "run", "u")
+    __slots__ = ("F", "_present", "flags", "full", "g", "has", "hashes", "keys", "nu", "u")
 
     def __init__(
         self, g: GroupGeometry, keys: Container[bytes], hashes: list[bytes], u: int, nu: int
     ) -> None:
         self.g, self.u, self.nu = g, u, nu
+        self.keys, self.hashes = keys, hashes
+        self._present: list[int] | None = None  # recurrent: units with a state, built on demand
 
         def has(b: int) -> bool:
             return 0 < b <= nu and hashes[b // u] in keys
 
         self.has: Callable[[int], bool] = has
         self.F = 0
-        self.run: list[int] = []
-        self.hi: list[int] = []
         B = g.page_size
         if g.kind == "full":
             step = B // u
@@ -110,18 +112,11 @@ class _Probe:
                     self.F = b
                     break
         elif g.kind != "recurrent":
-            num_pages = -(-nu // B)
-            run, hi, streak = self.run, self.hi, 0
-            for j in range(num_pages):
-                end = min((j + 1) * B, nu)
-                top_b = 0
-                for b in range(end, j * B, -u):
-                    if hashes[b // u] in keys:
-                        top_b = b
-                        break
-                hi.append(top_b)
-                streak = streak + 1 if top_b == (j + 1) * B else 0
-                run.append(streak)
+            # Sliding / chunked: one membership flag per boundary, probed in C.
+            #   flags[k - 1]  <=>  the boundary k·u has an entry
+            #   full[j]       <=>  page j's last boundary (j + 1)·B has one (page j complete)
+            self.flags = list(map(keys.__contains__, hashes[1 : nu // u + 1]))
+            self.full = self.flags[B // u - 1 :: B // u]
 
     def ok(self, x: int) -> bool:
         if x == 0:
@@ -135,12 +130,15 @@ class _Probe:
         lo = max(0, x - g.window + 1) if kind == "sliding" else x // g.chunk * g.chunk
         if kind == "chunked" and lo == x:
             return True
-        B = g.page_size
+        B, u = g.page_size, self.u
         p = (x - 1) // B
-        if p >= len(self.hi) or self.hi[p] < x:
+        if x > self.nu:
             return False
-        need = p - lo // B
-        return need == 0 or (p >= 1 and self.run[p - 1] >= need)
+        # x's own page holds an entry at some boundary in [x, end of the page]
+        if not any(self.flags[-(-x // u) - 1 : min((p + 1) * B, self.nu) // u]):
+            return False
+        need = p - lo // B  # complete pages below x's page that the window still covers
+        return need == 0 or (p >= need and all(self.full[p - need : p]))
 
     def accepts(self, x: int, margin: bool) -> bool:
         if margin and x > 0:
@@ -153,10 +151,47 @@ class _Probe:
         """m_g(c): the largest candidate ≤ c this group accepts."""
         if self.g.kind == "full":
             return min(c, max(0, self.F - self.u)) if margin else min(c, self.F)
+        if not margin and c % self.u == 0:
+            if self.g.kind == "recurrent":
+                return self._largest_state(c)
+            if self.g.kind == "sliding":
+                return self._largest_window(c)
         x = c
         while x > 0 and not self.accepts(x, margin):
             x -= self.u
         return x
+
+    def _largest_window(self, c: int) -> int:
+        """m_g(c) for a sliding group, a page at a time instead of a unit at a time.
+
+        Within x's page, ok(x) needs an entry at some boundary in [x, page end] and complete
+        pages back to the window's start. The best x ≤ c of page p is min(c, top entry of p);
+        if the window test fails there it fails for every lower x of that page too (a lower x
+        reaches further back), so the search moves on to page p − 1.
+        """
+        B, u, flags = self.g.page_size, self.u, self.flags
+        x = min(c, self.nu)
+        while x > 0:
+            p = (x - 1) // B
+            first = p * B // u  # flags[first:] are the boundaries of page p
+            seg = flags[first : min((p + 1) * B, self.nu) // u]
+            if True in seg:
+                top = (first + len(seg) - seg[::-1].index(True)) * u
+                y = min(x, top)
+                if self.ok(y):
+                    return y
+            x = p * B
+        return 0
+
+    def _largest_state(self, c: int) -> int:
+        """The largest x ≤ c with a state in `keys`, by bisection over the units that have one
+        (found once per probe, in C), instead of a descent of one unit per step."""
+        if self._present is None:
+            n = self.nu // self.u
+            flags = map(self.keys.__contains__, self.hashes[1 : n + 1])
+            self._present = list(compress(range(1, n + 1), flags))
+        i = bisect_right(self._present, c // self.u)
+        return self._present[i - 1] * self.u if i else 0
 
 
 def _fixed_point(probes: list[tuple[_Probe, bool]], start: int) -> int:
