@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -19,6 +20,8 @@ from typing import Any, TypeVar
 
 from kvreuse.core import Request
 from kvreuse.serve.backend import Backend
+
+log = logging.getLogger("kvreuse.serve")
 
 T = TypeVar("T")
 
@@ -170,6 +173,7 @@ class EngineLoop:
                     self._step()
         except BaseException as exc:  # a failed step leaves the manager unusable: fail loudly
             self.failure = f"the step loop failed: {type(exc).__name__}: {exc}"
+            log.exception("%s; the server now answers 503", self.failure)
             for act in self._active.values():
                 self._post(act.out.put_nowait, Delta([], None, "error", self.failure))
             self._active.clear()
