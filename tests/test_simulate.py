@@ -180,3 +180,21 @@ def test_a_simulation_leaves_no_cyclic_garbage() -> None:
         assert gc.collect() == 0
     finally:
         gc.enable()
+
+
+def test_draft_acceptance_rate_drives_decode_steps() -> None:
+    """With drafts on, every accepted draft saves a decode step; outputs and reuse don't change."""
+    from kvreuse.sim.geometry import load_geometry
+
+    geo = load_geometry(
+        '[cache]\nnum_blocks = 2048\nspec_mode = "lookahead"\nlookahead_tokens = 1\n'
+        "num_spec_tokens = 3\n"
+        '[[groups]]\nkind = "full"\nblock_size = 16\n'
+    )
+    wl = load(shared_prefix(256, 32, 4, max_tokens=40))
+    runs = {rate: simulate(geo, wl, draft_accept_rate=rate) for rate in (0.0, 1.0)}
+    none, every = runs[0.0].summary, runs[1.0].summary
+    assert none["reconciled"] and every["reconciled"]
+    assert every["steps"] < none["steps"]
+    assert none["hits"] == every["hits"]
+    assert all(r["output_tokens"] == 40 for run in runs.values() for r in run.requests)

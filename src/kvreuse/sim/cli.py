@@ -41,6 +41,12 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--prefill-tokens-per-s", type=float, default=DEFAULT_COST.prefill_tokens_per_s)
     p.add_argument("--decode-step-s", type=float, default=DEFAULT_COST.decode_step_s)
+    p.add_argument(
+        "--draft-accept-rate",
+        type=float,
+        default=0.7,
+        help="with num_spec_tokens > 0: probability that each draft token is accepted",
+    )
     p.set_defaults(func=run)
 
 
@@ -59,11 +65,12 @@ def run(args: argparse.Namespace) -> int:
         cost = CostModel(args.prefill_tokens_per_s, args.decode_step_s)
         show = not args.quiet and sys.stderr.isatty()
         bar = _progress_bar(len(workload)) if show else None
-        result = simulate(geo, workload, cost, bar.update_to if bar else None)
+        rate = args.draft_accept_rate
+        result = simulate(geo, workload, cost, bar.update_to if bar else None, rate)
         if bar:
             bar.close()
         if result.summary["deferral_waits"] and not args.no_compare:
-            result.summary["without_deferral"] = without_deferral(geo, workload, cost)
+            result.summary["without_deferral"] = without_deferral(geo, workload, cost, rate)
     except (GeometryError, WorkloadError, ConfigError, OSError, ValueError) as exc:
         print(f"kvreuse simulate: {exc}", file=sys.stderr)
         return 2

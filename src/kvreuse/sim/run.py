@@ -72,9 +72,13 @@ def simulate(
     workload: list[WorkloadRequest],
     cost: CostModel | None = None,
     on_step: Callable[[int, int], None] | None = None,
+    draft_accept_rate: float = 0.7,
 ) -> SimResult:
+    """Replay `workload` on `geo`. With `num_spec_tokens` > 0 in the geometry, each draft is
+    accepted with probability `draft_accept_rate` (seeded: runs are reproducible)."""
+    engine = FakeEngine(accept_rate=draft_accept_rate)
     with _cyclic_gc_paused():
-        return _simulate(geo, workload, cost or CostModel(), on_step)
+        return _simulate(geo, workload, cost or CostModel(), on_step, engine)
 
 
 def _simulate(
@@ -82,11 +86,12 @@ def _simulate(
     workload: list[WorkloadRequest],
     cost: CostModel,
     on_step: Callable[[int, int], None] | None,
+    engine: FakeEngine,
 ) -> SimResult:
     # Nobody drains events in a simulation; recording them would keep every finished
     # request's tokens alive until the event queue's bound.
     mgr = KVCacheManager(replace(geo.cache, enable_events=False))
-    sched = Scheduler(mgr, FakeEngine(), geo.sched)
+    sched = Scheduler(mgr, engine, geo.sched)
     pending = list(workload)
     # Tokens are kept only for requests a later prompt quotes with {"history": id}: holding
     # every finished request's tokens would make the run's memory (and the garbage
@@ -221,10 +226,13 @@ def _summary(
 
 
 def without_deferral(
-    geo: SimGeometry, workload: list[WorkloadRequest], cost: CostModel | None = None
+    geo: SimGeometry,
+    workload: list[WorkloadRequest],
+    cost: CostModel | None = None,
+    draft_accept_rate: float = 0.7,
 ) -> dict[str, Any]:
     """The same run with in-batch deferral off: what waiting for a shared prefix saved."""
     off = replace(geo, sched=replace(geo.sched, defer_shared_prefix=False))
-    s = simulate(off, workload, cost).summary
+    s = simulate(off, workload, cost, draft_accept_rate=draft_accept_rate).summary
     keys = ("prefill_tokens_computed", "hits", "hit_rate", "simulated_seconds", "steps")
     return {k: s[k] for k in keys}
