@@ -1,4 +1,4 @@
-"""Command line: `kvreuse demo` (and `python -m kvreuse demo`).
+"""Command line: `kvreuse demo | workload | simulate | serve | qualify` (also `python -m kvreuse`).
 
 The demo runs a cold request and an identical warm resend on the DCP4 hybrid geometry of the
 issue (full attention, local block 2048 × dcp 4 = 8192-token pages, a 256-token recurrent
