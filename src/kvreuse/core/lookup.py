@@ -290,7 +290,10 @@ def compute_lookup(
     junction = bounds[2] if geo.has_junction and bounds[2] > hit else None
     reason = _reason(geo, pool, req, probes, top, bounds)
     pending_hit = hit
-    if pending is not None and any(pending[g.group_id] for g in geo.cacheable):
+    hashes = req.chain.hashes
+    if pending is not None and not all(
+        pending[g.group_id].isdisjoint(hashes) for g in geo.cacheable
+    ):  # only this request's own keys are ever probed: with none pending, pending_hit = hit
         merged: list[Container[bytes]] = [
             _Union(idx, pend) for idx, pend in zip(pool.index, pending, strict=True)
         ]
