@@ -35,6 +35,9 @@ class PlanRecord:
     plan: RequestPlan
     saves: list[tuple[int, int, int, bool, bool]]  # (group, position, block, rolling, planned)
     copies: list[Copy]
+    # The step's [start, end), kept here: the manager never trusts a plan it handed out.
+    start: int = 0
+    end: int = 0
     step_id: int = -1
     withdrawn: bool = False
     keys: list[tuple[int, bytes]] | None = None  # pending_keys, valid while `keys_at` holds
@@ -248,7 +251,7 @@ def admit(
         hit=h,
         is_admission=True,
     )
-    return PlanRecord(req, plan, saves, copies)
+    return PlanRecord(req, plan, saves, copies, h, end)
 
 
 def grow(mgr: KVCacheManager, req: RequestState, num_new: int, extra: int) -> PlanRecord:
@@ -285,7 +288,7 @@ def grow(mgr: KVCacheManager, req: RequestState, num_new: int, extra: int) -> Pl
         [],
         [Save(g, c, b) for g, c, b, _, _ in saves],
     )
-    return PlanRecord(req, plan, saves, [])
+    return PlanRecord(req, plan, saves, [], start, end)
 
 
 def _pop_saves(
@@ -311,7 +314,7 @@ def pending_keys(geo: Geometry, req: RequestState, rec: PlanRecord) -> list[tupl
     """Keys the plan's commit would publish if it committed with T′ = end (for pending_hit)."""
     u = geo.hash_unit
     hashes = req.chain.hashes
-    E = min(rec.plan.end, req.chain.num_units * u)
+    E = min(rec.end, req.chain.num_units * u)
     keys: list[tuple[int, bytes]] = []
     for gid, row in req.tables.items():
         g = geo.groups[gid]

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 # ---------------------------------------------------------------------------- validation
 def parse_outcome(rec: PlanRecord, outcome: Any) -> tuple[int, list[int], set[int] | None]:
     """Check one outcome against spec §10.1; returns (T′, new tokens, saved positions)."""
-    req, plan = rec.req, rec.plan
+    req = rec.req
     rid = req.request_id
     if not isinstance(outcome, tuple | list) or len(outcome) not in (2, 3):
         raise ValueError(
@@ -40,9 +40,9 @@ def parse_outcome(rec: PlanRecord, outcome: Any) -> tuple[int, list[int], set[in
     if isinstance(t_new, bool) or not isinstance(t_new, int):
         raise ValueError(f"commit: T' of {rid!r} must be an int, got {t_new!r}")
     tokens = check_tokens(new_tokens, f"commit: new_token_ids of {rid!r}")
-    if not plan.start <= t_new <= plan.end:
+    if not rec.start <= t_new <= rec.end:
         raise ValueError(
-            f"commit: T'={t_new} of {rid!r} is outside its step [{plan.start}, {plan.end}]"
+            f"commit: T'={t_new} of {rid!r} is outside its step [{rec.start}, {rec.end}]"
         )
     num = len(req.tokens)
     if not tokens and t_new >= num:

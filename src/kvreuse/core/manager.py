@@ -139,7 +139,7 @@ class KVCacheManager:
             lookup,
             num_extra_slots,
             self.epoch,
-            in_flight_ends=[r.plan.end for r in self._records(st) if not r.withdrawn],
+            in_flight_ends=[r.end for r in self._records(st) if not r.withdrawn],
         )
         return st
 
