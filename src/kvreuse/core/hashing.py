@@ -230,7 +230,7 @@ class Chain:
     Units are hashed once, in order, as tokens arrive; a prefix is never rehashed.
     """
 
-    __slots__ = ("_base", "_mm", "_salt", "_special_max", "_xdef", "hasher", "hashes")
+    __slots__ = ("_base", "_mm", "_salt", "_special_max", "_xdef", "hasher", "hashes", "num_units")
 
     def __init__(
         self,
@@ -243,6 +243,9 @@ class Chain:
         self._base, items, self._salt = _prepare(lora, mm_items, cache_salt)
         self.hasher = hasher
         self.hashes: list[bytes] = [hasher.root]
+        # n, the number of hashed units (len(hashes) - 1): the chain proves nothing beyond n*u
+        # tokens. A plain attribute, kept by `extend`: it is read several times per step.
+        self.num_units = 0
         self._xdef = enc(self._base)  # X_k of every unit without mm keys or salt
         u, la = hasher.hash_unit, hasher.lookahead
         # unit -> its mm keys, built once; items are in canonical order, so each list is too.
@@ -255,11 +258,6 @@ class Chain:
                     key = ("mm", it.identifier, it.offset - (k - 1) * u)
                     self._mm.setdefault(k, []).append(key)
         self._special_max = max(self._mm, default=1 if self._salt else 0)  # last unit != _xdef
-
-    @property
-    def num_units(self) -> int:
-        """Number of hashed units n; the chain proves nothing beyond ``n*u`` tokens."""
-        return len(self.hashes) - 1
 
     def _xenc(self, k: int) -> bytes:
         if k > self._special_max:
@@ -294,6 +292,7 @@ class Chain:
                 last = digest(join(parts))
                 ap(last)
         if n == k_end:
+            self.num_units = n
             return n
         # Fast path (L = 0, constant X_k): only the parent and the unit's tokens change.
         parts = [h._pre, last, h._mid, b"", h._la_hdr + self._xdef]
@@ -310,6 +309,7 @@ class Chain:
                 parts[1] = last
                 last = digest(join(parts))
                 ap(last)
+        self.num_units = n
         return n
 
 
