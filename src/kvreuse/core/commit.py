@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvreuse.core.allocate import PlanRecord
 from kvreuse.core.pool import NULL
-from kvreuse.core.request import Phase, RequestState, check_tokens
+from kvreuse.core.request import MAX_TOKEN, Phase, RequestState, check_tokens
 
 if TYPE_CHECKING:
     from kvreuse.core.manager import KVCacheManager
@@ -39,7 +39,15 @@ def parse_outcome(rec: PlanRecord, outcome: Any) -> tuple[int, list[int], set[in
     t_new, new_tokens = outcome[0], outcome[1]
     if isinstance(t_new, bool) or not isinstance(t_new, int):
         raise ValueError(f"commit: T' of {rid!r} must be an int, got {t_new!r}")
-    tokens = check_tokens(new_tokens, f"commit: new_token_ids of {rid!r}")
+    if (  # the common decode outcome, one valid token: no general validation needed
+        type(new_tokens) is list
+        and len(new_tokens) == 1
+        and type(new_tokens[0]) is int
+        and 0 <= new_tokens[0] < MAX_TOKEN
+    ):
+        tokens = list(new_tokens)
+    else:
+        tokens = check_tokens(new_tokens, f"commit: new_token_ids of {rid!r}")
     if not rec.start <= t_new <= rec.end:
         raise ValueError(
             f"commit: T'={t_new} of {rid!r} is outside its step [{rec.start}, {rec.end}]"
@@ -76,7 +84,8 @@ def apply_commit(
     u = geo.hash_unit
     if tokens:
         req.tokens.extend(tokens)
-        req.chain.extend(req.tokens)
+        if len(req.tokens) - geo.lookahead >= (req.chain.num_units + 1) * u:  # a unit completed
+            req.chain.extend(req.tokens)
     release: list[int] = []
     for c in rec.copies:  # 2. pending copy references (dst keeps its table reference)
         release += (c.src, c.dst)
