@@ -163,11 +163,13 @@ def admission_required(
 
 
 def growth_required(geo: Geometry, req: RequestState, end: int, extra: int) -> int:
-    return sum(
-        max(0, -(-(end + extra) // g.page_size) - len(req.tables[g.group_id]))
-        for g in geo.groups
-        if g.is_attention
-    )
+    need, tables = 0, req.tables
+    for g in geo.groups:  # a plain loop: this runs once per request per step
+        if g.is_attention:
+            n = -(-(end + extra) // g.page_size) - len(tables[g.group_id])
+            if n > 0:
+                need += n
+    return need
 
 
 # ---------------------------------------------------------------------------- admission
@@ -276,7 +278,7 @@ def grow(mgr: KVCacheManager, req: RequestState, num_new: int, extra: int) -> Pl
             rec[gid] = slots.keep
             new_blocks[gid] = []
     req.scheduled = end
-    saves = _pop_saves(mgr, req, start, end) if geo.caching_enabled else []
+    saves = _pop_saves(mgr, req, start, end) if geo.recurrent else []
     plan = RequestPlan(
         req.request_id,
         start,
@@ -298,9 +300,7 @@ def _pop_saves(
     if not geo.caching_enabled:
         return []
     out: list[tuple[int, int, int, bool, bool]] = []
-    for g in geo.groups:
-        if g.is_attention:
-            continue
+    for g in geo.recurrent:
         add_dense(geo, mgr, req, g, start, end)
         for c, why, planned in step_saves(geo, req, g, start, end, req.planned[g.group_id]):
             if not len(pool.policy):

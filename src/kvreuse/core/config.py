@@ -91,6 +91,7 @@ class Geometry:
     cacheable: tuple[GroupGeometry, ...]  # the prefix-cacheable groups, in id order
     only_full: bool  # every cacheable group is full attention with no drop margin: A1 = … = A4
     has_junction: bool  # recurrent and non-recurrent cacheable groups: a junction may exist
+    recurrent: tuple[GroupGeometry, ...] = ()  # the recurrent groups (they plan saves)
 
 
 @dataclass(frozen=True)
@@ -334,4 +335,5 @@ def _resolve(cfg: CacheConfig) -> Geometry:
         and not (cfg.spec_mode == "drop" and any(g.is_draft for g in cacheable)),
         has_junction=any(g.kind == "recurrent" for g in cacheable)
         and any(g.kind != "recurrent" for g in cacheable),
+        recurrent=tuple(g for g in groups if not g.is_attention),
     )

@@ -155,10 +155,14 @@ class Scheduler:
     # ------------------------------------------------------------------ parts of a step
     def _grow_running(self, stats: StepStats, budget: int) -> int:
         """Decode first (latency), then prefill chunks; preempt the newest on OOM."""
+        decode = 1 + self.config.num_spec_tokens
         for seq in sorted(self.running, key=lambda s: s.scheduled < s.num_tokens - 1):
             if budget <= 0 or not seq.running:  # preempted earlier in this step
                 continue
-            num_new = self._num_new(seq, seq.scheduled, budget)
+            if seq.scheduled >= seq.num_tokens - 1:
+                num_new = decode  # one token plus the drafts to verify (`_num_new`, inlined)
+            else:
+                num_new = self._num_new(seq, seq.scheduled, budget)
             if num_new > budget:
                 continue  # a decode step with its drafts does not fit this step's budget
             while self.mgr.allocate(seq.request_id, num_new) is None:
