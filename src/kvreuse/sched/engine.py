@@ -48,6 +48,6 @@ class FakeEngine:
                     accepted += 1
                 t_new = num + accepted
                 new = [token_at(rid, p, self.vocab) for p in range(num, t_new + 1)]
-            saved = [s.position for s in plan.saves if s.position == t_new]
+            saved = [s.position for s in plan.saves if s.position == t_new] if plan.saves else []
             out[rid] = (t_new, new, saved)
         return out
