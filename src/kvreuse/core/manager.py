@@ -10,6 +10,7 @@ the manager as it was. The work itself lives in `lookup`, `allocate` and `commit
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -94,22 +95,18 @@ class KVCacheManager:
 
     def _pending_keys(self) -> list[set[bytes]] | None:
         """Keys uncommitted plans would publish (7.8), built only when such plans exist."""
-        recs = [r for r in self._open if r.req.deferred is None]
-        recs += [
-            r
-            for rs in self._sealed.values()
-            for r in rs
-            if not r.withdrawn and r.req.deferred is None
-        ]
-        if not recs or not self.geo.caching_enabled:
+        if not self.geo.caching_enabled or not (self._open or self._sealed):
             return None
         keys: list[set[bytes]] = [set() for _ in self.geo.groups]
-        for rec in recs:
+        for rec in itertools.chain(self._open, *self._sealed.values()):
+            req = rec.req
+            if rec.withdrawn or req.deferred is not None:
+                continue
             # A record's keys change only when its request commits (T, processed, the chain
             # and window frees move together), so they are cached per (T, units).
-            at = (rec.req.committed, rec.req.chain.num_units)
+            at = (req.committed, req.chain.num_units)
             if rec.keys is None or rec.keys_at != at:
-                rec.keys, rec.keys_at = pending_keys(self.geo, rec.req, rec), at
+                rec.keys, rec.keys_at = pending_keys(self.geo, req, rec), at
             for gid, key in rec.keys:
                 keys[gid].add(key)
         return keys
