@@ -93,17 +93,23 @@ def apply_commit(
     by_group: dict[int, list[tuple[int, int, bool, bool]]] = {}
     for g, c, b, rolling, planned in rec.saves:
         by_group.setdefault(g, []).append((c, b, rolling, planned))
+    # Each step below is skipped, with the same result, when it has nothing to do: most
+    # decode commits publish nothing, free nothing and settle no save.
     for g in geo.groups:
         gid = g.group_id
         if g.is_attention:
-            if g.cacheable and geo.caching_enabled:
+            if g.cacheable and geo.caching_enabled and min(t_new, nu) > req.processed[gid]:
                 _publish_attention(mgr, req, gid, min(t_new, nu))
-            _window_free(mgr, req, gid, t_new, release)
+            if g.kind != "full":
+                _window_free(mgr, req, gid, t_new, release)
         else:
-            _settle_saves(mgr, req, gid, by_group.get(gid, []), t_new, saved, nu, release)
-            _keep_rolling(mgr, req, gid, t_new, release)
+            if gid in by_group:
+                _settle_saves(mgr, req, gid, by_group[gid], t_new, saved, nu, release)
+            if req.recurrent[gid].held:
+                _keep_rolling(mgr, req, gid, t_new, release)
     req.committed = t_new
-    pool.release(release)
+    if release:
+        pool.release(release)
 
 
 def _publish_attention(mgr: KVCacheManager, req: RequestState, gid: int, e: int) -> None:
