@@ -288,7 +288,7 @@ def grow(mgr: KVCacheManager, req: RequestState, num_new: int, extra: int) -> Pl
         rec,
         new_blocks,
         [],
-        [Save(g, c, b) for g, c, b, _, _ in saves],
+        [Save(g, c, b) for g, c, b, _, _ in saves] if saves else [],
     )
     return PlanRecord(req, plan, saves, [], start, end)
 
