@@ -196,3 +196,20 @@ def test_reset_prefix_cache_when_idle(url: str, client: OpenAI) -> None:
     assert httpx.post(url + "/reset_prefix_cache").status_code == 200
     r = client.completions.create(model=MODEL, prompt=p, max_tokens=1)
     assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_streams_carry_usage_only_when_asked_unless_forced() -> None:
+    """OpenAI semantics by default; `force_include_usage` (vLLM's flag) adds it to every stream."""
+    for force in (False, True):
+        with ServerThread(create_app(fake_backend(), force_include_usage=force)) as base, OpenAI(
+            base_url=base + "/v1", api_key="none", max_retries=0
+        ) as c:
+            p = _prompt("force ", 100)
+            cached = []
+            for _ in range(2):  # cold, then warm
+                stream = c.completions.create(model=MODEL, prompt=p, max_tokens=3, stream=True)
+                chunks = list(stream)
+                usage = [x.usage for x in chunks if x.usage is not None]
+                assert len(usage) == (1 if force else 0)
+                cached += [u.prompt_tokens_details.cached_tokens for u in usage]
+            assert cached == ([0, (100 - 1) // U * U] if force else [])

@@ -161,7 +161,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     from kvreuse.serve.app import create_app
 
-    app = create_app(backend, max_pending=args.max_pending)
+    app = create_app(
+        backend, max_pending=args.max_pending, force_include_usage=args.force_include_usage
+    )
     print(f"kvreuse serve: {backend.name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     serve_forever(app, args.host, args.port)
     return 0
@@ -176,6 +178,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-blocks", type=int, default=None, help="override the cache size")
     p.add_argument("--max-pending", type=int, default=256, help="requests in flight before 429")
     p.add_argument("--fake", action="store_true", help="deterministic fake model (no torch)")
+    p.add_argument(
+        "--force-include-usage",
+        action="store_true",
+        help="end every stream with a usage chunk, asked for or not",
+    )
     p.set_defaults(func=_cmd_serve)
 
 

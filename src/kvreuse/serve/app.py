@@ -36,7 +36,11 @@ from kvreuse.serve.protocol import (
 )
 
 
-def create_app(backend: Backend, *, max_pending: int = 256) -> FastAPI:
+def create_app(
+    backend: Backend, *, max_pending: int = 256, force_include_usage: bool = False
+) -> FastAPI:
+    """`force_include_usage`: every stream ends with a usage chunk, even when the client did not
+    ask for one with `stream_options.include_usage` (vLLM's --enable-force-include-usage)."""
     engine = EngineLoop(backend, max_pending)
     registry, collector = new_registry()
 
@@ -90,7 +94,7 @@ def create_app(backend: Backend, *, max_pending: int = 256) -> FastAPI:
         check_model(backend, req.model)
         prompt = _completion_prompt(backend, req.prompt)
         gen = prepare(backend, req, prompt, "cmpl", req.max_tokens)
-        return await _respond(engine, backend, gen, req, http, chat=False)
+        return await _respond(engine, backend, gen, req, http, False, force_include_usage)
 
     @app.post("/v1/chat/completions")
     async def chat(http: HttpRequest) -> Response:
@@ -99,7 +103,7 @@ def create_app(backend: Backend, *, max_pending: int = 256) -> FastAPI:
         prompt = backend.tokenizer.encode(render_chat(req.messages))
         limit = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
         gen = prepare(backend, req, prompt, "chatcmpl", limit)
-        return await _respond(engine, backend, gen, req, http, chat=True)
+        return await _respond(engine, backend, gen, req, http, True, force_include_usage)
 
     return app
 
@@ -127,10 +131,11 @@ def _completion_prompt(backend: Backend, prompt: Any) -> list[int]:
 
 
 async def _respond(engine: EngineLoop, backend: Backend, gen: Gen, req: Any, http: HttpRequest,
-                   chat: bool) -> Response:
+                   chat: bool, force_usage: bool) -> Response:
     out = submit(engine, gen)
     if req.stream:
-        usage = req.stream_options is not None and req.stream_options.include_usage
+        asked = req.stream_options is not None and req.stream_options.include_usage
+        usage = force_usage or asked
         return StreamingResponse(
             _sse(engine, backend, gen, out, http, chat, req.return_token_ids, usage),
             media_type="text/event-stream",
