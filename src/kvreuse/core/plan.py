@@ -4,7 +4,7 @@
     allocate ─► RequestPlan ─┼─► seal_step() ─► StepPlan(step_id, requests, copies)
     allocate ─► RequestPlan ─┘                  engine: copies first (E1), then the forward
 
-Plans are frozen snapshots: tables are copied when the plan is built, so later growth of the
+Plans are snapshots: tables are copied when the plan is built, so later growth of the
 request never changes a plan the engine already holds.
 """
 
