@@ -213,3 +213,35 @@ def test_streams_carry_usage_only_when_asked_unless_forced() -> None:
                 assert len(usage) == (1 if force else 0)
                 cached += [u.prompt_tokens_details.cached_tokens for u in usage]
             assert cached == ([0, (100 - 1) // U * U] if force else [])
+
+
+def test_a_stop_token_ends_the_answer_and_is_left_out() -> None:
+    """The scheduler stops at the first stop token; the server leaves that token out."""
+    prompt = _prompt("halt ", 40)
+    with ServerThread(create_app(fake_backend())) as base, OpenAI(
+        base_url=base + "/v1", api_key="none", max_retries=0
+    ) as c:
+        free = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                    extra_body={"return_token_ids": True})
+    ids = free.choices[0].token_ids
+    i = next(k for k in range(1, len(ids)) if ids[k] not in ids[:k])  # its first occurrence
+    backend = fake_backend()
+    backend.tokenizer.eos_token_id = ids[i]
+    for stream in (False, True):
+        with ServerThread(create_app(backend)) as base, OpenAI(
+            base_url=base + "/v1", api_key="none", max_retries=0
+        ) as c:
+            if stream:
+                chunks = list(c.completions.create(
+                    model=MODEL, prompt=prompt, max_tokens=12, stream=True,
+                    stream_options={"include_usage": True}))
+                text = "".join(x.choices[0].text for x in chunks if x.choices)
+                reason = next(x.choices[0].finish_reason for x in chunks
+                              if x.choices and x.choices[0].finish_reason)
+                used = next(x.usage for x in chunks if x.usage).completion_tokens
+            else:
+                r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12)
+                text, reason = r.choices[0].text, r.choices[0].finish_reason
+                used = r.usage.completion_tokens
+        assert reason == "stop" and text == free.choices[0].text[:i]
+        assert used == i  # the stop token is not part of the answer

@@ -13,7 +13,7 @@ from kvreuse.engine.model import DenseContext, TinyModel
 from kvreuse.engine.paged import PagedCache
 from kvreuse.engine.runner import ModelRunner, ngram_propose
 from kvreuse.engine.sampling import SamplingParams
-from kvreuse.engine.tokenizer import ByteTokenizer, HFTokenizer
+from kvreuse.tokenizer import ByteTokenizer, HFTokenizer
 
 __all__ = [
     "LLM",

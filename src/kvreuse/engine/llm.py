@@ -17,9 +17,9 @@ from kvreuse.engine.config import LAYER_KINDS, ModelConfig
 from kvreuse.engine.model import TinyModel
 from kvreuse.engine.runner import ModelRunner
 from kvreuse.engine.sampling import SamplingParams
-from kvreuse.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from kvreuse.sched import Scheduler, Seq
 from kvreuse.sim.geometry import SimGeometry, preset
+from kvreuse.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 
 @dataclass(frozen=True)

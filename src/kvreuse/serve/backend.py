@@ -11,11 +11,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any
 
 from kvreuse.core import KVCacheManager, StepPlan
 from kvreuse.sched import Scheduler
 from kvreuse.sim.geometry import SimGeometry, load_geometry, preset
+from kvreuse.tokenizer import ByteTokenizer, Tokenizer
 
 FAKE_GEOMETRY = """
 [cache]
@@ -32,28 +33,6 @@ block_size = 16
 kind = "recurrent"
 block_size = 16
 """
-
-
-class Tokenizer(Protocol):
-    eos_token_id: int | None
-    vocab_size: int
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
-
-
-class ByteTokenizer:
-    """UTF-8 bytes are tokens 0–255; 256 is end-of-sequence."""
-
-    eos_token_id: int | None = 256
-    vocab_size = 257
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(t for t in ids if 0 <= t < 256).decode("utf-8", errors="replace")
 
 
 class ContentEngine:

@@ -48,8 +48,6 @@ class Delta:
 class _Active:
     rid: str
     out: asyncio.Queue[Delta]
-    stop_ids: frozenset[int]
-    max_tokens: int
     sent: int = 0
     cached_sent: bool = False
 
@@ -111,11 +109,13 @@ class EngineLoop:
         self._pending += 1
         out: asyncio.Queue[Delta] = asyncio.Queue()
         req = Request(rid, prompt_token_ids=prompt, cache_salt=cache_salt or None)
-        act = _Active(rid, out, stop_ids, max_tokens)
+        act = _Active(rid, out)
 
         def add() -> None:
             try:
-                self.backend.scheduler.add(req, max_tokens, sampling=sampling)
+                self.backend.scheduler.add(
+                    req, max_tokens, sampling=sampling, stop_token_ids=stop_ids
+                )
             except (ValueError, TypeError) as exc:  # the handler validated; this is a backstop
                 self._post(out.put_nowait, Delta([], 0, "error", str(exc)))
             else:
@@ -193,12 +193,16 @@ class EngineLoop:
     def _emit(self, act: _Active) -> None:
         sched = self.backend.scheduler
         seq = sched.seqs[act.rid]
-        new = seq.output[act.sent : act.max_tokens]  # a step that accepts drafts may overshoot
-        reason = "length" if seq.finished or len(seq.output) >= act.max_tokens else None
-        for i, tok in enumerate(new):
-            if tok in act.stop_ids:
-                new, reason = new[:i], "stop"
-                break
+        # The scheduler ends a request at max_tokens or right after its first stop token (kept
+        # in `output`, left out of the answer), and clips drafts accepted past either.
+        new = seq.output[act.sent :]
+        reason = seq.finish_reason if seq.finished else None
+        if reason == "stop":
+            new = new[:-1]
+        elif reason == "too_large":  # the handler checks the cache size first: a backstop
+            self._forget(act.rid, "error")
+            self._post(act.out.put_nowait, Delta([], 0, "error", "the request exceeds the cache"))
+            return
         cached = None
         if seq.cached_tokens is not None and not act.cached_sent:
             cached, act.cached_sent = seq.cached_tokens, True
@@ -206,8 +210,6 @@ class EngineLoop:
             return
         act.sent += len(new)
         if reason is not None:
-            if not seq.finished:
-                sched.abort(act.rid)
             self._forget(act.rid, reason)
             cached = seq.cached_tokens or 0
         self._post(act.out.put_nowait, Delta(new, cached, reason))
@@ -215,14 +217,15 @@ class EngineLoop:
     def _abort(self, rid: str) -> None:
         sched = self.backend.scheduler
         if rid in self._active:
-            if not sched.seqs[rid].finished:
-                sched.abort(rid)
+            sched.abort(rid)  # a no-op for a request that has just finished
             self._forget(rid, "abort")
             self.stats.aborted += 1
 
     def _forget(self, rid: str, reason: str) -> None:
         self._active.pop(rid, None)
-        self.backend.scheduler.seqs.pop(rid, None)  # bounded memory on a long-running server
+        sched = self.backend.scheduler
+        if rid in sched.seqs:
+            sched.pop_finished(rid)  # bounded memory on a long-running server
         done = self.stats.requests_finished
         done[reason] = done.get(reason, 0) + 1
 

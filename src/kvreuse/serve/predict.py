@@ -104,5 +104,5 @@ class ShadowPredictor:
         seq = self.sched.add(Request(rid, prompt, cache_salt=salt), max(1, len(output)))
         while not seq.finished:
             self.sched.step()
-        self.sched.seqs.pop(rid)
+        self.sched.pop_finished(rid)
         return seq.cached_tokens or 0

@@ -1,4 +1,6 @@
-"""Tokenizers: bytes by default (no download), or an HF `tokenizer.json` via `tokenizers`."""
+"""Tokenizers: bytes by default (no download), or an HF `tokenizer.json` via `tokenizers`.
+
+Torch-free, so the server's fake backend shares them with the engine."""
 
 from __future__ import annotations
 
