@@ -70,16 +70,21 @@ class LLM:
         if num_blocks is not None:
             changes["num_blocks"] = num_blocks
         cache = replace(geo.cache, **changes)  # type: ignore[arg-type]
+        self.tokenizer = self._load_tokenizer(model, tokenizer)
         if model is None:
             # the embedded model's vocabulary is exactly its tokenizer's, so every id it
             # generates decodes to text
-            tok = self._load_tokenizer(None, tokenizer)
-            self.model = TinyModel.random(default_model_config(cache, tok.vocab_size), seed)
+            config = default_model_config(cache, self.tokenizer.vocab_size)
+            self.model = TinyModel.random(config, seed)
             self.model_name = f"kvreuse-tiny-{geo.name}"
         else:
             self.model = load_model(model)
             self.model_name = Path(model).name
-        self.tokenizer = self._tokenizer(model, tokenizer)
+        if self.tokenizer.vocab_size > self.model.config.vocab_size:
+            raise ValueError(
+                f"tokenizer vocab_size {self.tokenizer.vocab_size} exceeds the model's "
+                f"{self.model.config.vocab_size}"
+            )
         if spec is None and num_spec_tokens:
             raise ValueError("num_spec_tokens > 0 needs spec='ngram' or spec='eagle'")
         if spec is not None and num_spec_tokens == 0:
@@ -98,15 +103,6 @@ class LLM:
         if path is None and model is not None and (Path(model) / "tokenizer.json").is_file():
             path = str(Path(model) / "tokenizer.json")
         return HFTokenizer(path) if path is not None else ByteTokenizer()
-
-    def _tokenizer(self, model: str | None, path: str | None) -> Tokenizer:
-        tok = self._load_tokenizer(model, path)
-        if tok.vocab_size > self.model.config.vocab_size:
-            raise ValueError(
-                f"tokenizer vocab_size {tok.vocab_size} exceeds the model's "
-                f"{self.model.config.vocab_size}"
-            )
-        return tok
 
     def generate(
         self,

@@ -160,7 +160,7 @@ class Scheduler:
             if budget <= 0 or not seq.running:  # preempted earlier in this step
                 continue
             if seq.scheduled >= seq.num_tokens - 1:
-                num_new = decode  # one token plus the drafts to verify (`_num_new`, inlined)
+                num_new = decode  # one token plus the drafts to verify
             else:
                 num_new = self._num_new(seq, seq.scheduled, budget)
             if num_new > budget:
@@ -214,10 +214,9 @@ class Scheduler:
         self.waiting = keep
 
     def _num_new(self, seq: Seq, start: int, budget: int, lookup: Any = None) -> int:
-        """Tokens to schedule from `start`: the rest of the prefill (chunked), or one decode
-        token plus the drafts to verify."""
-        if start >= seq.num_tokens - 1 and lookup is None:
-            return 1 + self.config.num_spec_tokens
+        """Prefill tokens to schedule from `start`: the rest of the prompt (and of any re-computed
+        output), within the budget and ending at the next save position. (A decode step's size,
+        one token plus the drafts to verify, is set in `_grow_running`.)"""
         n = min(seq.num_tokens - start, budget)
         if self.config.chunk_at_save_positions:
             nxt = self.mgr.next_save_position(seq.request_id, lookup)

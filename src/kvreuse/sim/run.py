@@ -180,7 +180,6 @@ def _row(seq: Seq, arrived: dict[str, float], first_token: dict[str, float]) -> 
         "preemptions": seq.preemptions,
         "finish_reason": seq.finish_reason,
         "ttft_estimate_s": round(first_token[rid] - arrived[rid], 6),
-        "finished": stats is not None,
     }
 
 
@@ -198,7 +197,7 @@ def _summary(
             r["prompt_tokens"] for r in rows if r["finish_reason"] != "too_large"
         )
         == m["prefix_cache_queries"],
-        "every_request_finished": all(r.pop("finished") for r in rows)
+        "every_request_finished": all(r["reason"] != "not_admitted" for r in rows)
         and len(rows) == m["prefix_cache_requests"],
         # a request whose prompt cannot fit even an empty pool is rejected by the scheduler
         "every_request_fits": not any(r["finish_reason"] == "too_large" for r in rows),
