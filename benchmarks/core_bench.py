@@ -34,9 +34,10 @@ import statistics
 import sys
 import time
 import tracemalloc
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import kvreuse
 from kvreuse import CacheConfig, GroupSpec, KVCacheManager, Request
@@ -45,6 +46,8 @@ from kvreuse.core.hashing import HASH_ALGOS, Hasher, algo_available
 sys.path.insert(0, str(Path(__file__).parent))
 from anchor import Ratio, emit_ratios, round_ratios, run_anchor
 
+A = TypeVar("A")
+T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_ANCHOR_DIR = REPO.parent / "shared" / "tools" / "vllm-anchor"
 DEFAULT_ANCHOR_PYTHON = REPO / ".venv-vllm-anchor" / "bin" / "python"
@@ -152,6 +155,18 @@ def run_to_completion(mgr: KVCacheManager, rid: str, tokens: list[int]) -> int:
     return res.hit
 
 
+def _timed(prof: cProfile.Profile | None, fn: Callable[[A], T], arg: A) -> tuple[T, int]:
+    """fn(arg)'s result and its wall time in ns, profiled when `prof` is given."""
+    if prof is not None:
+        prof.enable()
+    t0 = time.perf_counter_ns()
+    out = fn(arg)
+    t1 = time.perf_counter_ns()
+    if prof is not None:
+        prof.disable()
+    return out, t1 - t0
+
+
 def _us(ns: float) -> float:
     return round(ns / 1e3, 3)
 
@@ -171,14 +186,8 @@ def bench_hash(em: Emitter, s: Sizes, prof: cProfile.Profile | None = None) -> N
         for _ in range(s.hash_repeat):
             chain = hasher.chain()
             gc.collect()
-            if prof is not None:
-                prof.enable()
-            t0 = time.perf_counter_ns()
-            units = chain.extend(tokens)
-            t1 = time.perf_counter_ns()
-            if prof is not None:
-                prof.disable()
-            samples.append(t1 - t0)
+            units, ns = _timed(prof, chain.extend, tokens)
+            samples.append(ns)
         best, med = min(samples), statistics.median(samples)
         em.emit(
             "hash_tokens_per_s",
@@ -235,14 +244,8 @@ def bench_lookup(em: Emitter, s: Sizes, prof: cProfile.Profile | None = None) ->
         hit = -1
         gc.collect()
         for _ in range(s.lookup_repeat):
-            if prof is not None:
-                prof.enable()
-            t0 = time.perf_counter_ns()
-            res = mgr.lookup(label)
-            t1 = time.perf_counter_ns()
-            if prof is not None:
-                prof.disable()
-            samples.append(t1 - t0)
+            res, ns = _timed(prof, mgr.lookup, label)
+            samples.append(ns)
             hit = res.hit
         if label == "full_hit" and hit != (n - 1) // BLOCK * BLOCK:
             raise AssertionError(f"lookup: full hit expected, got {hit} of {n}")
