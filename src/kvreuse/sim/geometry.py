@@ -130,42 +130,31 @@ PRESETS: dict[str, str] = {
         kind = "recurrent"
         block_size = 16
     """,
-    "tiny-spec-lookahead": """
-        [cache]
-        num_blocks = 1024
-        spec_mode = "lookahead"
-        lookahead_tokens = 1
-        max_num_batched_tokens = 2048
-        max_model_len = 8192
-        [[groups]]
-        kind = "full"
-        block_size = 16
-        [[groups]]
-        kind = "recurrent"
-        block_size = 16
-        [[groups]]
-        kind = "full"
-        block_size = 16
-        role = "draft"
-    """,
-    "tiny-spec-drop": """
-        [cache]
-        num_blocks = 1024
-        spec_mode = "drop"
-        max_num_batched_tokens = 2048
-        max_model_len = 8192
-        [[groups]]
-        kind = "full"
-        block_size = 16
-        [[groups]]
-        kind = "recurrent"
-        block_size = 16
-        [[groups]]
-        kind = "full"
-        block_size = 16
-        role = "draft"
-    """,
 }
+
+# The two speculative presets differ only in the spec mode: full + recurrent target groups and
+# the drafter's own full group.
+_TINY_SPEC = """
+        [cache]
+        num_blocks = 1024
+        {mode}
+        max_num_batched_tokens = 2048
+        max_model_len = 8192
+        [[groups]]
+        kind = "full"
+        block_size = 16
+        [[groups]]
+        kind = "recurrent"
+        block_size = 16
+        [[groups]]
+        kind = "full"
+        block_size = 16
+        role = "draft"
+    """
+PRESETS["tiny-spec-lookahead"] = _TINY_SPEC.format(
+    mode='spec_mode = "lookahead"\n        lookahead_tokens = 1'
+)
+PRESETS["tiny-spec-drop"] = _TINY_SPEC.format(mode='spec_mode = "drop"')
 
 
 def load_geometry(text: str, name: str = "geometry") -> SimGeometry:
