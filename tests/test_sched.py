@@ -162,6 +162,24 @@ def test_burst_with_a_shared_prefix_computes_it_once_with_deferral() -> None:
     assert computed[True] <= 1024 + 32 * (64 + 64)  # the prefix once, suffixes (and re-copies)
 
 
+def test_deferred_requests_hold_seats_so_a_burst_is_not_rescanned() -> None:
+    """A deferred request counts against max_num_seqs: one step looks up at most that many
+    waiting requests, however long the queue (before, a burst looked up the whole queue)."""
+    mgr = KVCacheManager(CacheConfig(num_blocks=4096, **SMALL))
+    sched = Scheduler(mgr, FakeEngine(), SchedulerConfig(max_num_seqs=8))
+    prefix = tokens(256, 9)
+    for i in range(40):
+        sched.add(Request(f"r{i}", prefix + tokens(16, 100 + i)), max_tokens=1)
+    first = sched.step()
+    assert first.admitted == ["r0"]
+    assert first.deferred == [f"r{i}" for i in range(1, 8)]  # 1 running + 7 deferred = 8 seats
+    assert [s.request_id for s in sched.waiting][:7] == first.deferred  # order kept (FCFS)
+    steps = [first, *drain(sched)]
+    assert all(len(s.admitted) + len(s.deferred) <= 8 for s in steps)
+    assert all(sched.seqs[f"r{i}"].stats.cached_tokens == 256 for i in range(1, 40))
+    reconcile(sched)
+
+
 def test_stop_tokens_end_a_request_and_free_its_blocks() -> None:
     mgr = KVCacheManager(CacheConfig(num_blocks=512, **SMALL))
     sched = Scheduler(mgr, FakeEngine(), SchedulerConfig(max_num_batched_tokens=128))

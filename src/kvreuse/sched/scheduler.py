@@ -178,9 +178,12 @@ class Scheduler:
 
     def _admit_waiting(self, stats: StepStats, budget: int) -> None:
         keep: deque[Seq] = deque()
+        # A deferred request keeps its seat in the batch: counting it against max_num_seqs
+        # bounds the scan (a burst would otherwise look up the whole queue every step).
+        seats = self.config.max_num_seqs - len(self.running)
         while self.waiting:
             seq = self.waiting.popleft()
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget <= 0 or seats <= 0:
                 keep.append(seq)  # full: the rest waits too (O(1), not a scan of the queue)
                 keep.extend(self.waiting)
                 self.waiting.clear()
@@ -194,6 +197,7 @@ class Scheduler:
                 seq.deferred_steps += 1  # another request is computing this prefix right now
                 stats.deferred.append(seq.request_id)
                 keep.append(seq)
+                seats -= 1
                 continue
             num_new = self._num_new(seq, res.hit, budget, lookup=res)
             if self.mgr.allocate(seq.request_id, num_new, lookup=res) is None:
@@ -208,6 +212,7 @@ class Scheduler:
                 seq.cached_tokens = res.hit
             seq.running, seq.scheduled = True, res.hit + num_new
             self.running.append(seq)
+            seats -= 1
             stats.admitted.append(seq.request_id)
             self._count(stats, seq, res.hit, num_new)
             budget -= num_new
