@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 
 from kvreuse import (
@@ -51,6 +53,8 @@ def state(m: KVCacheManager) -> tuple:
         (Request("a", [1, 2**32]), ValueError, "token 1 is 4294967296"),
         (Request("a", [1, True]), ValueError, "token 1 is True"),
         (Request("a", [1, 2.0]), ValueError, "token 1 is 2.0"),
+        (Request("a", array("i", [1, -1])), ValueError, "token 1 is -1"),  # signed: checked
+        (Request("a", array("Q", [1, 2**32])), ValueError, "token 1 is 4294967296"),
         (Request("a", [1], cache_salt=b"x"), TypeError, "cache_salt must be str"),
         (Request("a", [1], lora=("x", b"p")), TypeError, "lora must be"),
         (Request("a", [1], mm_items=[("img", 0, 1)]), TypeError, "MultiModalItem"),
@@ -61,6 +65,18 @@ def test_bad_requests(mgr: KVCacheManager, request_: Request, exc: type, fragmen
     with pytest.raises(exc, match=fragment):
         mgr.add_request(request_)
     assert state(mgr) == before
+
+
+@pytest.mark.parametrize("code", ["B", "H", "I"])
+def test_unsigned_array_prompts_are_valid_by_type(mgr: KVCacheManager, code: str) -> None:
+    """D14: an unsigned array of at most 4-byte elements skips the per-element check and
+    hashes exactly as the same list does."""
+    tokens = [(7 * i) % 251 for i in range(100)]
+    mgr.add_request(Request("arr", array(code, tokens)))
+    mgr.add_request(Request("lst", tokens))
+    a, b = mgr.requests["arr"], mgr.requests["lst"]
+    assert a.tokens == tokens and type(a.tokens) is list
+    assert a.chain.hashes == b.chain.hashes
 
 
 def test_bad_multimodal_item() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -43,14 +44,30 @@ class Request:
     skip_read: bool = False
 
 
+# Unsigned array typecodes of at most 4 bytes: every element is an int in [0, 2^32) by type.
+_TRUSTED_CODES = frozenset(c for c in "BHIL" if array(c).itemsize <= 4)
+_U32 = "I" if array("I").itemsize == 4 else "L"
+
+
 def check_tokens(token_ids: Sequence[int], what: str) -> list[int]:
-    """Validate token ids (ints, not bools, in [0, 2^32)) and return them as a list."""
+    """Validate token ids (ints, not bools, in [0, 2^32)) and return them as a list.
+
+    An ``array.array`` of unsigned elements of at most 4 bytes (typecode 'B', 'H' or 'I') is
+    valid by its type and is converted without a per-element check (docs/decisions.md D14).
+    """
+    if type(token_ids) is array and token_ids.typecode in _TRUSTED_CODES:
+        return token_ids.tolist()
     tokens = list(token_ids)
-    # Fast path in C: every element exactly an int (bools excluded) and the extremes in range.
-    if not tokens or (
-        set(map(type, tokens)) == {int} and min(tokens) >= 0 and max(tokens) < MAX_TOKEN
-    ):
+    if not tokens:
         return tokens
+    # Fast path in C: every element exactly an int (bools excluded), and a 4-byte unsigned
+    # array accepts them all (it raises on anything outside [0, 2^32)).
+    if set(map(type, tokens)) == {int}:
+        try:
+            array(_U32).fromlist(tokens)
+            return tokens
+        except OverflowError:
+            pass  # the loop below names the offending token
     for i, t in enumerate(tokens):
         if type(t) is not int or not 0 <= t < MAX_TOKEN:
             raise ValueError(f"{what}: token {i} is {t!r}; token ids must be ints in [0, 2**32)")
