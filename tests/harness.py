@@ -305,6 +305,26 @@ class Engine:
         self.rng = drv.rng
         self.max_len = max_len
         self.spec = drv.geo.spec_mode != "none"
+        self.plan_views: dict[int, tuple] = {}  # id(plan) -> its content when it was handed out
+
+    # plans are snapshots ------------------------------------------------------------------
+    def note_plan(self, plan: Any) -> None:
+        """A fresh plan shows the request's tables and slots as they are now (spec §9.7)."""
+        st = self.drv.mgr.requests[plan.request_id]
+        assert plan.tables == st.tables, "a plan's tables differ from the request's"
+        for gid, slot in plan.recurrent.items():
+            slots = st.recurrent[gid]
+            assert (slot.live, slot.scratch) == (slots.live, tuple(slots.scratch))
+        for gid, fresh in plan.new_blocks.items():
+            if gid in plan.tables:
+                row = plan.tables[gid]
+                assert row[len(row) - len(fresh) :] == fresh, "new blocks are the table's tail"
+        self.plan_views[id(plan)] = _plan_view(plan)
+
+    def check_plan_unchanged(self, plan: Any) -> None:
+        """Later growth of the request never changes a plan already handed out."""
+        view = self.plan_views.pop(id(plan), None)
+        assert view is None or _plan_view(plan) == view, "a plan changed after it was handed out"
 
     # requests ----------------------------------------------------------------------------
     def random_prompt(self) -> list[int]:
@@ -365,6 +385,7 @@ class Engine:
                 if plan is None:
                     assert _snapshot(mgr) == before, "a failed allocate changed state (T8)"
                 else:
+                    self.note_plan(plan)
                     drv.check_junction_saves(k, res, lacks)
                     drv.admitted_at[k.rid] = drv._removals()
                     if not k.admitted:
@@ -383,8 +404,11 @@ class Engine:
                 else:
                     num_new = 1 + (rng.randint(0, 3) if self.spec else 0)
                 before = _snapshot(mgr)
-                if mgr.allocate(k.rid, num_new) is None:
+                grown = mgr.allocate(k.rid, num_new)
+                if grown is None:
                     assert _snapshot(mgr) == before, "a failed allocate changed state (T8)"
+                else:
+                    self.note_plan(grown)
             drv.check()
 
     def outcome(self, k: Known, plan: Any) -> tuple:
@@ -442,8 +466,11 @@ class Engine:
             start = st.scheduled
             num_new = rng.randint(1, n_hat - start) if start < n_hat - 1 else 1
             before = _snapshot(mgr)
-            if mgr.allocate(plan.request_id, num_new) is None:
+            grown = mgr.allocate(plan.request_id, num_new)
+            if grown is None:
                 assert _snapshot(mgr) == before
+            else:
+                self.note_plan(grown)
             drv.check()
         second = mgr.seal_step()
         drv.trace.append(second)
@@ -455,6 +482,7 @@ class Engine:
         drv, mgr = self.drv, self.drv.mgr
         outcomes = {}
         for plan in step.requests:
+            self.check_plan_unchanged(plan)
             st = mgr.requests.get(plan.request_id)
             if st is not None and st.phase is Phase.RUNNING:
                 outcomes[plan.request_id] = self.outcome(drv.known[plan.request_id], plan)
@@ -519,6 +547,17 @@ class Engine:
             self.run_step()
             if self.rng.random() < 0.3:
                 self.chaos()
+
+
+def _plan_view(plan: Any) -> tuple:
+    """A deep copy of what the engine reads from a plan."""
+    return (
+        {g: list(row) for g, row in plan.tables.items()},
+        dict(plan.recurrent),
+        {g: list(b) for g, b in plan.new_blocks.items()},
+        list(plan.copies),
+        list(plan.saves),
+    )
 
 
 def _snapshot(mgr: KVCacheManager) -> tuple:

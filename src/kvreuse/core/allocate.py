@@ -229,6 +229,7 @@ def admit(
             rec[gid] = RecurrentSlot(live, tuple(scratch), "copy" if src is not None else "zero")
             new_blocks[gid] = [live, *scratch]
     req.tables = tables
+    req.plan_parts = None
     req.window_lo = {}
     req.hit = h
     req.committed = h
@@ -261,22 +262,28 @@ def grow(mgr: KVCacheManager, req: RequestState, num_new: int, extra: int) -> Pl
     geo, pool = mgr.geo, mgr.pool
     start = req.scheduled
     end = start + num_new
-    new_blocks: dict[int, list[int]] = {}
-    rec: dict[int, RecurrentSlot] = {}
+    parts = req.plan_parts
+    new_blocks: dict[int, list[int]] | None = None
     for g in geo.groups:
-        gid = g.group_id
         if g.is_attention:
-            row = req.tables[gid]
+            row = req.tables[g.group_id]
             count = -(-(end + extra) // g.page_size) - len(row)
-            fresh = pool.pop_many(gid, count) if count > 0 else []  # most decode steps: none
-            row.extend(fresh)
-            new_blocks[gid] = fresh
-        else:
-            slots = req.recurrent[gid]
-            if slots.keep is None:  # live and scratch stay fixed while the request runs
-                slots.keep = RecurrentSlot(slots.live, tuple(slots.scratch), "keep")
-            rec[gid] = slots.keep
-            new_blocks[gid] = []
+            if count > 0:  # most decode steps need no page
+                if new_blocks is None:
+                    new_blocks = {gid: [] for gid in req.tables}
+                new_blocks[g.group_id] = fresh = pool.pop_many(g.group_id, count)
+                row.extend(fresh)
+    if new_blocks is not None or parts is None:
+        # The plan's tables are a copy (plans are snapshots); while no page changes, every
+        # growth plan shares one copy, rebuilt only when a page is added or freed.
+        rec: dict[int, RecurrentSlot] = {}
+        for g in geo.recurrent:
+            slots = req.recurrent[g.group_id]  # live and scratch stay fixed while it runs
+            rec[g.group_id] = RecurrentSlot(slots.live, tuple(slots.scratch), "keep")
+        empty = {g.group_id: [] for g in geo.groups}
+        req.plan_parts = parts = ({k: list(v) for k, v in req.tables.items()}, rec, empty)
+        if new_blocks is not None:
+            new_blocks = {**empty, **new_blocks}
     req.scheduled = end
     saves = _pop_saves(mgr, req, start, end) if geo.recurrent else []
     plan = RequestPlan(
@@ -284,9 +291,9 @@ def grow(mgr: KVCacheManager, req: RequestState, num_new: int, extra: int) -> Pl
         start,
         num_new,
         extra,
-        {k: list(v) for k, v in req.tables.items()},
-        rec,
-        new_blocks,
+        parts[0],
+        parts[1],
+        parts[2] if new_blocks is None else new_blocks,
         [],
         [Save(g, c, b) for g, c, b, _, _ in saves] if saves else [],
     )
@@ -298,6 +305,16 @@ def _pop_saves(
 ) -> list[tuple[int, int, int, bool, bool]]:
     geo, pool = mgr.geo, mgr.pool
     if not geo.caching_enabled:
+        return []
+    u = geo.hash_unit
+    # A decode step within one unit: no rolling save, and (pages being multiples of u) no
+    # dense position; only a planned position in (start, end] could still be due.
+    if (
+        start > 0
+        and start >= len(req.tokens) - 1
+        and end // u == start // u
+        and not any(start < c <= end for planned in req.planned.values() for c in planned)
+    ):
         return []
     out: list[tuple[int, int, int, bool, bool]] = []
     for g in geo.recurrent:

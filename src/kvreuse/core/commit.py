@@ -218,6 +218,7 @@ def _window_free(
             row[j] = NULL
     if top > lo:
         req.window_lo[gid] = top
+        req.plan_parts = None  # the next plan's tables must show the freed pages
 
 
 # ---------------------------------------------------------------------------- release
@@ -264,6 +265,7 @@ def release_request(
             order.append(slots.live)
     pool.release(order)
     req.tables, req.recurrent, req.planned = {}, {}, {}
+    req.plan_parts = None
     req.processed, req.published_states = {}, {}
     req.committed = req.scheduled = req.hit = 0
     req.open_plan = None

@@ -87,7 +87,6 @@ class RecurrentSlots:
     live: int = 0
     scratch: list[int] = field(default_factory=list)
     held: dict[int, int] = field(default_factory=dict)  # position -> block
-    keep: Any = None  # the RecurrentSlot(live, scratch, "keep") every growth plan repeats
 
 
 @dataclass(eq=False, slots=True)
@@ -107,6 +106,9 @@ class RequestState:
     hit: int = 0  # h of the current admission
     tables: dict[int, list[int]] = field(default_factory=dict)  # attention group -> pages
     window_lo: dict[int, int] = field(default_factory=dict)  # pages below are all NULL (10.5)
+    # What a growth plan repeats while no page changes: (tables copy, recurrent slots, no new
+    # blocks). Every change of `tables` resets it to None (admit, growth, window free, release).
+    plan_parts: tuple[dict[int, list[int]], dict[int, Any], dict[int, list[int]]] | None = None
     recurrent: dict[int, RecurrentSlots] = field(default_factory=dict)
     processed: dict[int, int] = field(default_factory=dict)  # d per attention group (10.3)
     planned: dict[int, dict[int, str]] = field(default_factory=dict)  # g -> {pos: purpose}
