@@ -66,7 +66,7 @@ def parse_outcome(rec: PlanRecord, outcome: Any) -> tuple[int, list[int], set[in
     saved: set[int] | None = None
     if len(outcome) == 3 and outcome[2] is not None:
         saved = set(outcome[2])
-        mine = {c for _, c, _, _, _ in rec.saves}
+        mine = {c for _, c, _, _, _ in rec.saves} if saved else saved
         if not saved <= mine:
             raise ValueError(
                 f"commit: saved_positions {sorted(saved - mine)} of {rid!r} are not saves of "
@@ -91,7 +91,7 @@ def apply_commit(
         release += (c.src, c.dst)
     nu = req.chain.num_units * u
     by_group: dict[int, list[tuple[int, int, bool, bool]]] = {}
-    for g, c, b, rolling, planned in rec.saves:
+    for g, c, b, rolling, planned in rec.saves:  # most decode commits settle no save
         by_group.setdefault(g, []).append((c, b, rolling, planned))
     # Each step below is skipped, with the same result, when it has nothing to do: most
     # decode commits publish nothing, free nothing and settle no save.
@@ -191,8 +191,11 @@ def finish_point(mgr: KVCacheManager, req: RequestState, t: int) -> int:
 def _keep_rolling(
     mgr: KVCacheManager, req: RequestState, gid: int, t_new: int, release: list[int]
 ) -> None:
+    """Keep held rolling states in [φ(T′), ⌊T′/u⌋·u]; release the others, newest first."""
     held = req.recurrent[gid].held
     lo, hi = finish_point(mgr, req, t_new), t_new // mgr.geo.hash_unit * mgr.geo.hash_unit
+    if lo <= min(held) and max(held) <= hi:
+        return  # most decode commits: the held states are still the ones to keep
     for c in sorted(held, reverse=True):
         if not lo <= c <= hi:
             release.append(held.pop(c))

@@ -36,15 +36,16 @@ class FakeEngine:
         for plan in step.requests:
             rid = plan.request_id
             num = seqs[rid].num_tokens
+            end = plan.start + plan.num_new_tokens
             self.num_forward_tokens += plan.num_new_tokens
-            if plan.end < num:  # a prefill chunk: no token is sampled
-                t_new, new = plan.end, []
-            elif plan.end == num:
+            if end < num:  # a prefill chunk: no token is sampled
+                t_new, new = end, []
+            elif end == num:
                 t_new, new = num, [token_at(rid, num, self.vocab)]
             else:  # decode with drafts: accept a prefix of them, then sample one more
                 rng = random.Random(f"{self.seed}/{rid}/{num}")
                 accepted = 0
-                while accepted < plan.end - num and rng.random() < self.accept_rate:
+                while accepted < end - num and rng.random() < self.accept_rate:
                     accepted += 1
                 t_new = num + accepted
                 new = [token_at(rid, p, self.vocab) for p in range(num, t_new + 1)]

@@ -156,6 +156,7 @@ class Scheduler:
     def _grow_running(self, stats: StepStats, budget: int) -> int:
         """Decode first (latency), then prefill chunks; preempt the newest on OOM."""
         decode = 1 + self.config.num_spec_tokens
+        allocate = self.mgr.allocate
         for seq in sorted(self.running, key=lambda s: s.scheduled < s.num_tokens - 1):
             if budget <= 0 or not seq.running:  # preempted earlier in this step
                 continue
@@ -165,7 +166,7 @@ class Scheduler:
                 num_new = self._num_new(seq, seq.scheduled, budget)
             if num_new > budget:
                 continue  # a decode step with its drafts does not fit this step's budget
-            while self.mgr.allocate(seq.request_id, num_new) is None:
+            while allocate(seq.request_id, num_new) is None:
                 victim = self.running[-1]
                 self._preempt(victim, stats)
                 if victim is seq:
@@ -251,10 +252,14 @@ class Scheduler:
         stats.rejected.append(seq.request_id)
 
     def _apply(self, step: StepPlan, outcomes: Mapping[str, tuple[Any, ...]]) -> None:
+        seqs = self.seqs
         for plan in step.requests:
-            seq = self.seqs[plan.request_id]
-            t_new, new_tokens = outcomes[plan.request_id][:2]
+            seq = seqs[plan.request_id]
+            outcome = outcomes[plan.request_id]
+            t_new, new_tokens = outcome[0], outcome[1]
             seq.scheduled = t_new  # rejected drafts are scheduled again
+            if not new_tokens:
+                continue  # a prefill chunk
             seq.num_tokens += len(new_tokens)
             # Accepted drafts may run past max_tokens or a stop token: the core keeps them (their
             # KV is valid), the output ends where the request does.
