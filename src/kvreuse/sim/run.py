@@ -17,7 +17,7 @@ from typing import Any
 from kvreuse.core import KVCacheManager, Request
 from kvreuse.sched import FakeEngine, Scheduler, Seq
 from kvreuse.sim.geometry import SimGeometry
-from kvreuse.sim.workload import WorkloadError, WorkloadRequest, resolve_prompt
+from kvreuse.sim.workload import WorkloadError, WorkloadRequest, tokens_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +156,7 @@ def _release_ready(
         if w.arrival > clock or not w.dependencies() <= done:
             keep.append(w)
             continue
-        tokens = resolve_prompt(w.prompt, history)
+        tokens = tokens_of(w.prompt, history)
         if not tokens:
             raise WorkloadError(f"request {w.request_id!r}: its prompt resolves to no tokens")
         if max_model_len is not None and len(tokens) + w.max_tokens > max_model_len:

@@ -56,24 +56,28 @@ class WorkloadRequest:
 
 
 def random_tokens(seed: int, length: int) -> list[int]:
-    return list(_random_tokens(seed, length))
+    return _random_tokens(seed, length).tolist()
+
+
+_U32 = "I" if array.array("I").itemsize == 4 else "L"
 
 
 @functools.lru_cache(maxsize=256)
-def _random_tokens(seed: int, length: int) -> tuple[int, ...]:
+def _random_tokens(seed: int, length: int) -> array.array[int]:
     """Memoised: a shared system prompt is generated once, not once per request.
 
     Every step runs in C (a per-token Python loop cost more than the rest of a simulation's
-    prompt handling): token = low byte | (high byte & 0x7F) << 8, uniform in [0, VOCAB).
+    prompt handling): token = low byte | (high byte & 0x7F) << 8, uniform in [0, VOCAB),
+    built as little-endian 4-byte words. Callers copy it (`tokens_of` concatenates).
     """
     rng = random.Random(seed)
     low, high = rng.randbytes(length), rng.randbytes(length).translate(_HIGH_7_BITS)
-    pairs = bytearray(2 * length)
-    pairs[0::2], pairs[1::2] = low, high
-    words = array.array("H", pairs)
+    words = bytearray(4 * length)
+    words[0::4], words[1::4] = low, high
+    out = array.array(_U32, words)
     if sys.byteorder != "little":
-        words.byteswap()  # the same tokens on every machine
-    return tuple(words)
+        out.byteswap()  # the same tokens on every machine
+    return out
 
 
 _HIGH_7_BITS = bytes(b & 0x7F for b in range(256))
@@ -81,17 +85,21 @@ _HIGH_7_BITS = bytes(b & 0x7F for b in range(256))
 
 def resolve_prompt(prompt: Any, history: dict[str, list[int]]) -> list[int]:
     """Token ids of a validated PROMPT; `history[id]` is a finished request's full tokens."""
+    return tokens_of(prompt, history).tolist()
+
+
+def tokens_of(prompt: Any, history: dict[str, list[int]]) -> array.array[int]:
+    """`resolve_prompt` as a fresh 4-byte unsigned array: the core takes it without a
+    per-token check (docs/decisions.md D14), and concatenation runs in C."""
     kind, value = next(iter(prompt.items()))
-    if kind == "tokens":
-        return list(value)
     if kind == "random":
-        return random_tokens(value["seed"], value["len"])
+        return _random_tokens(value["seed"], value["len"])[:]
     if kind == "concat":
-        out: list[int] = []
+        out = array.array(_U32)
         for part in value:
-            out += resolve_prompt(part, history)
+            out += tokens_of(part, history)
         return out
-    return list(history[value])
+    return array.array(_U32, value if kind == "tokens" else history[value])
 
 
 def _histories(prompt: Any) -> Iterator[str]:
