@@ -332,6 +332,8 @@ def pending_keys(geo: Geometry, req: RequestState, rec: PlanRecord) -> list[tupl
     u = geo.hash_unit
     hashes = req.chain.hashes
     E = min(rec.end, req.chain.num_units * u)
+    if not rec.saves and all(d + u > E for d in req.processed.values()):
+        return []  # most decode plans: no boundary of theirs is left to publish
     keys: list[tuple[int, bytes]] = []
     for gid, row in req.tables.items():
         g = geo.groups[gid]

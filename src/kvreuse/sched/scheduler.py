@@ -61,10 +61,10 @@ class Seq:
     finish_reason: str | None = None  # "length" | "stop" | "abort" | "too_large"
     stats: RequestStats | None = None  # the core's final statistics, kept at finish
     finished: bool = False
+    request_id: str = field(init=False)  # the request's id, read several times per step
 
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
+    def __post_init__(self) -> None:
+        self.request_id = self.request.request_id
 
 
 Engine = Callable[[StepPlan, Mapping[str, "Seq"]], dict[str, tuple[Any, ...]]]
@@ -178,17 +178,13 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, stats: StepStats, budget: int) -> None:
-        keep: deque[Seq] = deque()
+        waiting = self.waiting
+        skipped: list[Seq] = []  # deferred this step: they keep their place at the front
         # A deferred request keeps its seat in the batch: counting it against max_num_seqs
         # bounds the scan (a burst would otherwise look up the whole queue every step).
         seats = self.config.max_num_seqs - len(self.running)
-        while self.waiting:
-            seq = self.waiting.popleft()
-            if budget <= 0 or seats <= 0:
-                keep.append(seq)  # full: the rest waits too (O(1), not a scan of the queue)
-                keep.extend(self.waiting)
-                self.waiting.clear()
-                break
+        while waiting and budget > 0 and seats > 0:
+            seq = waiting.popleft()
             res = self.mgr.lookup(seq.request_id)
             if (
                 self.config.defer_shared_prefix
@@ -197,7 +193,7 @@ class Scheduler:
             ):
                 seq.deferred_steps += 1  # another request is computing this prefix right now
                 stats.deferred.append(seq.request_id)
-                keep.append(seq)
+                skipped.append(seq)
                 seats -= 1
                 continue
             num_new = self._num_new(seq, res.hit, budget, lookup=res)
@@ -205,9 +201,7 @@ class Scheduler:
                 if not self.running:  # the whole pool is free for it, and it still won't fit
                     self._reject(seq, stats)
                     continue
-                keep.append(seq)  # FCFS: nothing behind it may jump the queue
-                keep.extend(self.waiting)
-                self.waiting.clear()
+                waiting.appendleft(seq)  # FCFS: nothing behind it may jump the queue
                 break
             if seq.cached_tokens is None:
                 seq.cached_tokens = res.hit
@@ -217,7 +211,7 @@ class Scheduler:
             stats.admitted.append(seq.request_id)
             self._count(stats, seq, res.hit, num_new)
             budget -= num_new
-        self.waiting = keep
+        waiting.extendleft(reversed(skipped))  # O(deferred), not O(queue)
 
     def _num_new(self, seq: Seq, start: int, budget: int, lookup: Any = None) -> int:
         """Prefill tokens to schedule from `start`: the rest of the prompt (and of any re-computed
