@@ -16,6 +16,7 @@ Attention publication of one commit, page B = 64, u = 16, processed boundary d, 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any
 
 from kvreuse.core.allocate import PlanRecord
@@ -27,17 +28,22 @@ if TYPE_CHECKING:
 
 
 # ---------------------------------------------------------------------------- validation
-def parse_outcome(rec: PlanRecord, outcome: Any) -> tuple[int, list[int], set[int] | None]:
+_NO_SAVES: frozenset[int] = frozenset()
+
+
+def parse_outcome(
+    rec: PlanRecord, outcome: Any
+) -> tuple[int, list[int], AbstractSet[int] | None]:
     """Check one outcome against spec §10.1; returns (T′, new tokens, saved positions)."""
     req = rec.req
     rid = req.request_id
-    if not isinstance(outcome, tuple | list) or len(outcome) not in (2, 3):
+    if not isinstance(outcome, (tuple, list)) or len(outcome) not in (2, 3):
         raise ValueError(
             f"commit: outcome of {rid!r} must be (T', new_token_ids) or "
             f"(T', new_token_ids, saved_positions), got {outcome!r}"
         )
     t_new, new_tokens = outcome[0], outcome[1]
-    if isinstance(t_new, bool) or not isinstance(t_new, int):
+    if type(t_new) is not int and (isinstance(t_new, bool) or not isinstance(t_new, int)):
         raise ValueError(f"commit: T' of {rid!r} must be an int, got {t_new!r}")
     if (  # the common decode outcome, one valid token: no general validation needed
         type(new_tokens) is list
@@ -63,10 +69,12 @@ def parse_outcome(rec: PlanRecord, outcome: Any) -> tuple[int, list[int], set[in
             f"commit: {rid!r} reports T'={t_new} with {len(tokens)} new tokens; with N={num} "
             f"T' must lie in [{num}, {num + len(tokens) - 1}]"
         )
-    saved: set[int] | None = None
+    saved: AbstractSet[int] | None = None
     if len(outcome) == 3 and outcome[2] is not None:
+        if not outcome[2]:
+            return t_new, tokens, _NO_SAVES  # the engine wrote no state (the common decode)
         saved = set(outcome[2])
-        mine = {c for _, c, _, _, _ in rec.saves} if saved else saved
+        mine = {c for _, c, _, _, _ in rec.saves}
         if not saved <= mine:
             raise ValueError(
                 f"commit: saved_positions {sorted(saved - mine)} of {rid!r} are not saves of "
@@ -77,7 +85,11 @@ def parse_outcome(rec: PlanRecord, outcome: Any) -> tuple[int, list[int], set[in
 
 # ---------------------------------------------------------------------------- commit
 def apply_commit(
-    mgr: KVCacheManager, rec: PlanRecord, t_new: int, tokens: list[int], saved: set[int] | None
+    mgr: KVCacheManager,
+    rec: PlanRecord,
+    t_new: int,
+    tokens: list[int],
+    saved: AbstractSet[int] | None,
 ) -> None:
     """Steps 1–7 of spec §10.1 for one request."""
     geo, pool, req = mgr.geo, mgr.pool, rec.req
@@ -139,7 +151,7 @@ def _settle_saves(
     gid: int,
     saves: list[tuple[int, int, bool, bool]],
     t_new: int,
-    saved: set[int] | None,
+    saved: AbstractSet[int] | None,
     nu: int,
     release: list[int],
 ) -> None:
@@ -294,7 +306,7 @@ def _publish_finish_state(mgr: KVCacheManager, req: RequestState) -> None:
 
 def settle_outcomes(
     recs: Sequence[PlanRecord], outcomes: Mapping[str, Any]
-) -> list[tuple[PlanRecord, tuple[int, list[int], set[int] | None]]]:
+) -> list[tuple[PlanRecord, tuple[int, list[int], AbstractSet[int] | None]]]:
     """Validate every outcome of a step before changing anything (10.1)."""
     live = {r.req.request_id: r for r in recs if not r.withdrawn and r.req.deferred is None}
     known = {r.req.request_id for r in recs}
