@@ -411,6 +411,13 @@ class Engine:
                     self.note_plan(grown)
             drv.check()
 
+    def probe_lookup(self) -> None:
+        """Look up one waiting request (pure; checked against the oracle by `lookup`)."""
+        mgr = self.drv.mgr
+        waiting = [k for k in self.drv.known.values() if _is_waiting(mgr, k.rid)]
+        if waiting:
+            self.drv.lookup(self.rng.choice(waiting))
+
     def outcome(self, k: Known, plan: Any) -> tuple:
         rng, num = self.rng, len(k.tokens)
         if plan.end < num:
@@ -430,6 +437,7 @@ class Engine:
         step = mgr.seal_step()
         drv.trace.append(step)
         drv.check()
+        self.probe_lookup()  # between seal and commit: sealed plans count for pending_hit
         if not step.requests:
             return
         steps = [step]
@@ -547,6 +555,11 @@ class Engine:
             self.run_step()
             if self.rng.random() < 0.3:
                 self.chaos()
+
+
+def _is_waiting(mgr: KVCacheManager, rid: str) -> bool:
+    st = mgr.requests.get(rid)
+    return st is not None and st.phase is Phase.WAITING
 
 
 def _plan_view(plan: Any) -> tuple:

@@ -68,3 +68,24 @@ def test_preempt_then_finish_while_deferred_becomes_a_finish() -> None:
     m.discard(s1.step_id)
     checked(m)
     assert "a" not in m.requests and m.request_stats("a").admissions == 1
+
+
+def test_pending_hit_sees_plans_sealed_since_the_last_lookup() -> None:
+    """The pending-key union is kept between lookups (core/pending.py); a plan allocated
+    without a lookup and then sealed must still count for a lookup between seal and commit."""
+    m = KVCacheManager(
+        CacheConfig(num_blocks=64, hash_unit=16, groups=[GroupSpec(kind="full", block_size=16)])
+    )
+    prompt = list(range(64))
+    for rid, toks in (("a", prompt), ("b", prompt), ("c", list(range(100, 164)))):
+        m.add_request(Request(rid, toks))
+    m.allocate("c", 64, lookup=m.lookup("c"))
+    s1 = m.seal_step()
+    m.commit(s1.step_id, {"c": (64, [7])})
+    m.allocate("c", 1)  # growth: a plan, no lookup
+    assert m.lookup("a").pending_hit == 0  # the union is built here, with c's plan only
+    m.allocate("a", 64, lookup=m.lookup("a"))  # a computes the shared prompt ...
+    m.seal_step()  # ... and is sealed before anyone looks up again
+    res = m.lookup("b")
+    assert (res.hit, res.pending_hit) == (0, 48)  # a's publishable boundaries (below P - 1)
+    checked(m)

@@ -325,25 +325,3 @@ def _pop_saves(
                 continue
             out.append((g.group_id, c, pool.pop(g.group_id), why == "rolling", planned))
     return out
-
-
-def pending_keys(geo: Geometry, req: RequestState, rec: PlanRecord) -> list[tuple[int, bytes]]:
-    """Keys the plan's commit would publish if it committed with T′ = end (for pending_hit)."""
-    u = geo.hash_unit
-    hashes = req.chain.hashes
-    E = min(rec.end, req.chain.num_units * u)
-    if not rec.saves and all(d + u > E for d in req.processed.values()):
-        return []  # most decode plans: no boundary of theirs is left to publish
-    keys: list[tuple[int, bytes]] = []
-    for gid, row in req.tables.items():
-        g = geo.groups[gid]
-        if not g.cacheable:
-            continue
-        B = g.page_size
-        for b in range(req.processed[gid] + u, E + 1, u):
-            if row[(b - 1) // B] != NULL:
-                keys.append((gid, hashes[b // u]))
-    for g, c, _, _, planned in rec.saves:
-        if planned and c <= E:
-            keys.append((g, hashes[c // u]))
-    return keys

@@ -10,7 +10,6 @@ the manager as it was. The work itself lives in `lookup`, `allocate` and `commit
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -23,7 +22,6 @@ from kvreuse.core.allocate import (
     grow,
     growth_required,
     hit_blocks,
-    pending_keys,
     planned_positions,
     replay_point,
 )
@@ -33,6 +31,7 @@ from kvreuse.core.events import Event, EventLog
 from kvreuse.core.hashing import Hasher
 from kvreuse.core.lookup import LookupResult, compute_lookup
 from kvreuse.core.metrics import RequestStats, count_admission, new_counters, snapshot
+from kvreuse.core.pending import PendingKeys
 from kvreuse.core.plan import RequestPlan, StepPlan
 from kvreuse.core.pool import BlockPool
 from kvreuse.core.request import Phase, Request, RequestState, new_request_state
@@ -63,6 +62,8 @@ class KVCacheManager:
         self._next_step = 1
         self._finished: OrderedDict[str, RequestStats] = OrderedDict()
         self._settled: OrderedDict[int, str] = OrderedDict()
+        self._num_plans = 0  # plans ever handed out by allocate
+        self._pending = PendingKeys()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: Request) -> None:
@@ -97,19 +98,7 @@ class KVCacheManager:
         """Keys uncommitted plans would publish (7.8), built only when such plans exist."""
         if not self.geo.caching_enabled or not (self._open or self._sealed):
             return None
-        keys: list[set[bytes]] = [set() for _ in self.geo.groups]
-        for rec in itertools.chain(self._open, *self._sealed.values()):
-            req = rec.req
-            if rec.withdrawn or req.deferred is not None:
-                continue
-            # A record's keys change only when its request commits (T, processed, the chain
-            # and window frees move together), so they are cached per (T, units).
-            at = (req.committed, req.chain.num_units)
-            if rec.keys is None or rec.keys_at != at:
-                rec.keys, rec.keys_at = pending_keys(self.geo, req, rec), at
-            for gid, key in rec.keys:
-                keys[gid].add(key)
-        return keys
+        return self._pending.union(self)
 
     def _check_alloc(
         self, req_id: str, num_new_tokens: int, lookup: LookupResult | None, num_extra_slots: int
@@ -193,6 +182,7 @@ class KVCacheManager:
             self.cow[self.geo.groups[c.group_id].kind] += 1
         st.open_plan = rec.plan
         self._open.append(rec)
+        self._num_plans += 1  # with the epoch: PendingKeys sees that only a plan was added
         self.epoch += 1
         return rec.plan
 
