@@ -7,19 +7,85 @@ Prints one JSON object per line (`metric`, `value`, `unit`, `params`); progress 
 Wall-clock time (and, in `params`, this process's CPU time, which other load on a shared
 machine disturbs less) covers the whole simulation (scheduler, core and fake engine), not the
 workload generation.
+
+`--anchor` also drives vLLM's own v1 scheduler and KV cache manager through the same workload
+on the `attention-16` geometry (`sim_anchor_vllm.py`, run with `.venv-vllm-anchor/bin/python`)
+and prints the ratio of the two rates measured in this run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 from kvreuse.sim.generators import shared_prefix
 from kvreuse.sim.geometry import preset
 from kvreuse.sim.run import simulate
 from kvreuse.sim.workload import load_workload
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_ANCHOR_PYTHON = HERE.parent / ".venv-vllm-anchor" / "bin" / "python"
+
+
+def emit(metric: str, value: float | None, unit: str, **params: Any) -> None:
+    line = {"metric": metric, "value": value, "unit": unit, "params": params}
+    print(json.dumps(line), flush=True)
+
+
+def run_ours(name: str, requests: int) -> float:
+    """Simulate the workload on preset `name`; print its line and return requests/s (wall)."""
+    lines = shared_prefix(prefix_len=1024, suffix_len=1024, requests=requests, max_tokens=64)
+    workload = load_workload([json.dumps(x) for x in lines])
+    print(f"simulating {requests} requests on {name} …", file=sys.stderr)
+    t0, c0 = time.perf_counter(), time.process_time()
+    s = simulate(preset(name), workload).summary
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    emit(
+        "sim_requests_per_s",
+        round(requests / wall, 1),
+        "requests/s",
+        preset=name,
+        requests=requests,
+        prompt_tokens=2048,
+        shared_prefix=1024,
+        max_tokens=64,
+        wall_s=round(wall, 3),
+        cpu_s=round(cpu, 3),  # CPU time of this process: robust to other load on the machine
+        requests_per_cpu_s=round(requests / cpu, 1),
+        steps=s["steps"],
+        hit_rate=round(s["hit_rate"], 4),
+        preemptions=s["preemptions"],
+        reconciled=s["reconciled"],
+        target=">= 2000",
+    )
+    return requests / wall
+
+
+def run_anchor(anchor_py: Path, requests: int) -> dict[str, Any] | None:
+    """vLLM's scheduler on the same workload; its record, or None (with a line saying why)."""
+    script = HERE / "sim_anchor_vllm.py"
+    if not anchor_py.exists():
+        emit("anchor_unavailable", None, "", reason=f"{anchor_py} does not exist")
+        return None
+    print(f"anchor: vLLM's scheduler, {requests} requests …", file=sys.stderr)
+    proc = subprocess.run(
+        [str(anchor_py), str(script), "--requests", str(requests)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    recs = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    if proc.returncode != 0 or not recs:
+        why = f"exit {proc.returncode}"
+        emit("anchor_unavailable", None, "", reason=why, stderr_tail=proc.stderr[-2000:])
+        return None
+    print(json.dumps(recs[0]), flush=True)
+    return recs[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,42 +93,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="JSON lines (the only output format)")
     ap.add_argument("--requests", type=int, default=10_000)
     ap.add_argument("--presets", default="attention-16,hybrid-dcp4")
+    ap.add_argument("--anchor", action="store_true", help="also run vLLM's scheduler (ratio)")
+    ap.add_argument("--anchor-python", type=Path, default=DEFAULT_ANCHOR_PYTHON)
     args = ap.parse_args(argv)
-    lines = shared_prefix(prefix_len=1024, suffix_len=1024, requests=args.requests, max_tokens=64)
-    workload = load_workload([json.dumps(x) for x in lines])
-    for name in args.presets.split(","):
-        geo = preset(name)
-        print(f"simulating {args.requests} requests on {name} …", file=sys.stderr)
-        t0, c0 = time.perf_counter(), time.process_time()
-        result = simulate(geo, workload)
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        s = result.summary
-        print(
-            json.dumps(
-                {
-                    "metric": "sim_requests_per_s",
-                    "value": round(args.requests / wall, 1),
-                    "unit": "requests/s",
-                    "params": {
-                        "preset": name,
-                        "requests": args.requests,
-                        "prompt_tokens": 2048,
-                        "shared_prefix": 1024,
-                        "max_tokens": 64,
-                        "wall_s": round(wall, 3),
-                        # CPU time of this process: robust to other load on a shared machine
-                        "cpu_s": round(cpu, 3),
-                        "requests_per_cpu_s": round(args.requests / cpu, 1),
-                        "steps": s["steps"],
-                        "hit_rate": round(s["hit_rate"], 4),
-                        "preemptions": s["preemptions"],
-                        "reconciled": s["reconciled"],
-                        "target": ">= 2000",
-                    },
-                }
-            ),
-            flush=True,
-        )
+    if args.requests < 1:
+        ap.error(f"--requests must be ≥ 1, got {args.requests}")
+    rates = {name: run_ours(name, args.requests) for name in args.presets.split(",")}
+    if args.anchor:
+        rec = run_anchor(args.anchor_python, args.requests)
+        if rec is not None and "attention-16" in rates:
+            p = rec["params"]
+            # vLLM hashes a prompt when its Request is built; ours hashes inside the timed
+            # run, so the like-for-like rate includes vLLM's request building.
+            theirs = p["requests_per_s_incl_request_build"]
+            emit(
+                "sim_vs_vllm_ratio",
+                round(rates["attention-16"] / theirs, 2),
+                "x",
+                ours_requests_per_s=round(rates["attention-16"], 1),
+                vllm_requests_per_s_incl_build=theirs,
+                vllm_requests_per_s_loop_only=rec["value"],
+                vllm_steps=p["steps"],
+                vllm_preemptions=p["preemptions"],
+                note="same machine, same run; ratios, not absolute rates, are comparable",
+            )
     return 0
 
 
