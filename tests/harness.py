@@ -150,6 +150,8 @@ class Driver:
         self._check_slots(k, res, entries)
         pending = oracle(self.geo, oreq, entries | self._pending_entries(), ghost)
         assert res.pending_hit == pending.hit, (res.pending_hit, pending.hit)
+        if self.geo.caching_enabled and not k.skip_read:
+            assert res.pending_bounds == pending.bounds, (res.pending_bounds, pending.bounds)
         removed = self._removals()
         last = self.last_lookup.get(k.rid)
         if last is not None and last[1] == removed and last[2] == len(k.tokens):

@@ -4,11 +4,13 @@ re-admission, aborts, speculative decoding, and deferral of requests whose prefi
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from kvreuse import CacheConfig, GroupSpec, KVCacheManager, Request
 from kvreuse.sched import FakeEngine, Scheduler, SchedulerConfig, token_at
+from kvreuse.sim.geometry import preset
 
 HYBRID = dict(
     dcp_size=4,
@@ -160,6 +162,27 @@ def test_burst_with_a_shared_prefix_computes_it_once_with_deferral() -> None:
         reconcile(sched)
     assert computed[True] < computed[False]
     assert computed[True] <= 1024 + 32 * (64 + 64)  # the prefix once, suffixes (and re-copies)
+
+
+def test_hybrid_burst_waits_for_the_attention_that_reveals_its_junction() -> None:
+    """D15: on a hybrid, the first request plans no state at the end of a shared prefix (it
+    cannot know where others diverge), so pending_hit stays 0 while it computes. Deferring on
+    the pending attention bound (pending_bounds[2]) lets the second request see the junction,
+    save the state there, and everyone after it reuse the prefix."""
+    geo = preset("hybrid-dcp4")
+    prefix = tokens(1024, 1)
+    cached = {}
+    for defer in (True, False):
+        mgr = KVCacheManager(replace(geo.cache, enable_events=False))
+        sched = Scheduler(mgr, FakeEngine(), replace(geo.sched, defer_shared_prefix=defer))
+        for i in range(8):
+            sched.add(Request(f"p{i}", prefix + tokens(1024, 100 + i)), max_tokens=2)
+        drain(sched)
+        cached[defer] = [sched.seqs[f"p{i}"].stats.cached_tokens for i in range(8)]
+        reconcile(sched)
+    assert cached[True] == [0, 0] + [1024] * 6
+    # without deferral the whole first step (the token budget holds 4 prompts) starts cold
+    assert cached[False][:4] == [0, 0, 0, 0] and sum(cached[False]) < sum(cached[True])
 
 
 def test_deferred_requests_hold_seats_so_a_burst_is_not_rescanned() -> None:

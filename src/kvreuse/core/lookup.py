@@ -41,6 +41,10 @@ class LookupResult:
     copy_src: Mapping[int, int | None] = field(default_factory=dict)
     state_src: Mapping[int, int | None] = field(default_factory=dict)
     group_limits: Mapping[int, int] = field(default_factory=dict)  # m_g(top), for explain()
+    # A1…A4 over the index plus the pending keys (D15): pending_bounds[3] is pending_hit, and
+    # pending_bounds[2] > bounds[2] says another request is computing more of this prefix in the
+    # non-recurrent groups, even when no state will be saved there.
+    pending_bounds: tuple[int, int, int, int] = (0, 0, 0, 0)
 
     def explain(self) -> str:
         """Human-readable account of the hit (format not normative)."""
@@ -289,7 +293,7 @@ def compute_lookup(
     hit = bounds[3]
     junction = bounds[2] if geo.has_junction and bounds[2] > hit else None
     reason = _reason(geo, pool, req, probes, top, bounds)
-    pending_hit = hit
+    pending_bounds = bounds
     hashes = req.chain.hashes
     if pending is not None and not all(
         pending[g.group_id].isdisjoint(hashes) for g in geo.cacheable
@@ -297,7 +301,7 @@ def compute_lookup(
         merged: list[Container[bytes]] = [
             _Union(idx, pend) for idx, pend in zip(pool.index, pending, strict=True)
         ]
-        pending_hit = _bounds(geo, _probes(geo, merged, req, nu), top)[3]
+        pending_bounds = _bounds(geo, _probes(geo, merged, req, nu), top)
     slots, copy_src, state_src = _slots(geo, pool, req, hit, nu)
     limits = {
         gid: p.largest(top, geo.spec_mode == "drop" and p.g.is_draft) for gid, p in probes.items()
@@ -305,7 +309,7 @@ def compute_lookup(
     return LookupResult(
         rid,
         hit,
-        pending_hit,
+        pending_bounds[3],
         top,
         n,
         epoch,
@@ -316,6 +320,7 @@ def compute_lookup(
         copy_src,
         state_src,
         limits,
+        pending_bounds,
     )
 
 

@@ -188,7 +188,9 @@ class Scheduler:
             res = self.mgr.lookup(seq.request_id)
             if (
                 self.config.defer_shared_prefix
-                and res.pending_hit > res.hit
+                # another request is computing more of this prefix: its state (pending_hit) or,
+                # on a hybrid, the attention that reveals where the state must be saved (D15)
+                and (res.pending_hit > res.hit or res.pending_bounds[2] > res.bounds[2])
                 and seq.deferred_steps < self.config.max_defer_steps
             ):
                 seq.deferred_steps += 1  # another request is computing this prefix right now
