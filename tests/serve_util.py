@@ -46,7 +46,7 @@ def wait_for(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None
         time.sleep(0.005)
 
 
-LINE = re.compile(r'^([a-zA-Z_:][\w:]*)(?:\{([^}]*)\})? (\S+)$')
+LINE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{([^}]*)\})? (\S+)$")
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -117,3 +117,6 @@ def test_ruff_clean() -> None:
     root = CORE.parents[2]
     proc = subprocess.run([ruff, "check", str(root)], capture_output=True, text=True, cwd=root)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    fmt = [ruff, "format", "--check", "src", "tests", "benchmarks"]
+    proc = subprocess.run(fmt, capture_output=True, text=True, cwd=root)
+    assert proc.returncode == 0, "run `ruff format src tests benchmarks`:\n" + proc.stdout

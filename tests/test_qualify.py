@@ -68,8 +68,9 @@ def test_qualify_fails_on_a_doctored_server(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str, check: str
 ) -> None:
     with ServerThread(create_app(_doctored(kind))) as url:
-        rc = main(["qualify", "--url", url, "--quick", "--max-fill-tokens", "0",
-                   "--out", str(tmp_path)])
+        rc = main(
+            ["qualify", "--url", url, "--quick", "--max-fill-tokens", "0", "--out", str(tmp_path)]
+        )
     out = capsys.readouterr().out
     assert rc == 1
     assert "FAILED" in out and check in out

@@ -64,7 +64,10 @@ def test_streaming_completion_usage(client: OpenAI) -> None:
     for expect in (0, (200 - 1) // U * U):
         chunks = list(
             client.completions.create(
-                model=MODEL, prompt=p, max_tokens=5, stream=True,
+                model=MODEL,
+                prompt=p,
+                max_tokens=5,
+                stream=True,
                 stream_options={"include_usage": True},
             )
         )
@@ -76,8 +79,10 @@ def test_streaming_completion_usage(client: OpenAI) -> None:
 
 
 def test_chat_turns_reuse_previous_turn(client: OpenAI) -> None:
-    msgs = [{"role": "system", "content": "You are terse. " * 10},
-            {"role": "user", "content": "Tell me about prefix caching. " * 5}]
+    msgs = [
+        {"role": "system", "content": "You are terse. " * 10},
+        {"role": "user", "content": "Tell me about prefix caching. " * 5},
+    ]
     first = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     answer = first.choices[0].message.content
@@ -94,7 +99,10 @@ def test_chat_streaming_usage(client: OpenAI) -> None:
     seen = []
     for _ in range(2):
         stream = client.chat.completions.create(
-            model=MODEL, messages=msgs, max_tokens=3, stream=True,
+            model=MODEL,
+            messages=msgs,
+            max_tokens=3,
+            stream=True,
             stream_options={"include_usage": True},
         )
         chunks = list(stream)
@@ -117,7 +125,11 @@ def test_cache_salt_isolates_tenants(client: OpenAI, stream: bool) -> None:
             r = client.completions.create(model=MODEL, prompt=p, max_tokens=2, extra_body=body)
             return r.usage.prompt_tokens_details.cached_tokens
         chunks = client.completions.create(
-            model=MODEL, prompt=p, max_tokens=2, stream=True, extra_body=body,
+            model=MODEL,
+            prompt=p,
+            max_tokens=2,
+            stream=True,
+            extra_body=body,
             stream_options={"include_usage": True},
         )
         return next(c.usage for c in chunks if c.usage).prompt_tokens_details.cached_tokens
@@ -159,11 +171,14 @@ def test_bad_completion_requests_are_400(url: str, body: dict[str, object], para
 def test_bad_chat_and_json_are_400(url: str, client: OpenAI) -> None:
     r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    r = httpx.post(url + "/v1/chat/completions",
-                   json={"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]})
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+    )
     assert r.status_code == 400
-    r = httpx.post(url + "/v1/completions", content=b"{not json",
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
@@ -180,12 +195,18 @@ def test_metrics_names_and_reconciliation(url: str, client: OpenAI) -> None:
     assert total > 0
     hits = "kvreuse:prefix_cache_hits_total"
     assert after[hits] - before[hits] == total
-    assert after["kvreuse:prefix_cache_queries_total"] - before[
-        "kvreuse:prefix_cache_queries_total"] == 100 + 101 + 102
-    for name in ("kvreuse:kv_cache_usage_perc", "kvreuse:num_requests_running",
-                 "kvreuse:num_requests_waiting", "kvreuse:num_preemptions_total",
-                 "kvreuse:kv_blocks_evicted_total",
-                 'kvreuse:prefix_cache_reason_total{reason="no_entry"}'):
+    assert (
+        after["kvreuse:prefix_cache_queries_total"] - before["kvreuse:prefix_cache_queries_total"]
+        == 100 + 101 + 102
+    )
+    for name in (
+        "kvreuse:kv_cache_usage_perc",
+        "kvreuse:num_requests_running",
+        "kvreuse:num_requests_waiting",
+        "kvreuse:num_preemptions_total",
+        "kvreuse:kv_blocks_evicted_total",
+        'kvreuse:prefix_cache_reason_total{reason="no_entry"}',
+    ):
         assert name in after, name
     assert after["kvreuse:num_requests_running"] == 0 == after["kvreuse:kv_cache_usage_perc"]
 
@@ -201,9 +222,10 @@ def test_reset_prefix_cache_when_idle(url: str, client: OpenAI) -> None:
 def test_streams_carry_usage_only_when_asked_unless_forced() -> None:
     """OpenAI semantics by default; `force_include_usage` (vLLM's flag) adds it to every stream."""
     for force in (False, True):
-        with ServerThread(create_app(fake_backend(), force_include_usage=force)) as base, OpenAI(
-            base_url=base + "/v1", api_key="none", max_retries=0
-        ) as c:
+        with (
+            ServerThread(create_app(fake_backend(), force_include_usage=force)) as base,
+            OpenAI(base_url=base + "/v1", api_key="none", max_retries=0) as c,
+        ):
             p = _prompt("force ", 100)
             cached = []
             for _ in range(2):  # cold, then warm
@@ -218,26 +240,38 @@ def test_streams_carry_usage_only_when_asked_unless_forced() -> None:
 def test_a_stop_token_ends_the_answer_and_is_left_out() -> None:
     """The scheduler stops at the first stop token; the server leaves that token out."""
     prompt = _prompt("halt ", 40)
-    with ServerThread(create_app(fake_backend())) as base, OpenAI(
-        base_url=base + "/v1", api_key="none", max_retries=0
-    ) as c:
-        free = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
-                                    extra_body={"return_token_ids": True})
+    with (
+        ServerThread(create_app(fake_backend())) as base,
+        OpenAI(base_url=base + "/v1", api_key="none", max_retries=0) as c,
+    ):
+        free = c.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, extra_body={"return_token_ids": True}
+        )
     ids = free.choices[0].token_ids
     i = next(k for k in range(1, len(ids)) if ids[k] not in ids[:k])  # its first occurrence
     backend = fake_backend()
     backend.tokenizer.eos_token_id = ids[i]
     for stream in (False, True):
-        with ServerThread(create_app(backend)) as base, OpenAI(
-            base_url=base + "/v1", api_key="none", max_retries=0
-        ) as c:
+        with (
+            ServerThread(create_app(backend)) as base,
+            OpenAI(base_url=base + "/v1", api_key="none", max_retries=0) as c,
+        ):
             if stream:
-                chunks = list(c.completions.create(
-                    model=MODEL, prompt=prompt, max_tokens=12, stream=True,
-                    stream_options={"include_usage": True}))
+                chunks = list(
+                    c.completions.create(
+                        model=MODEL,
+                        prompt=prompt,
+                        max_tokens=12,
+                        stream=True,
+                        stream_options={"include_usage": True},
+                    )
+                )
                 text = "".join(x.choices[0].text for x in chunks if x.choices)
-                reason = next(x.choices[0].finish_reason for x in chunks
-                              if x.choices and x.choices[0].finish_reason)
+                reason = next(
+                    x.choices[0].finish_reason
+                    for x in chunks
+                    if x.choices and x.choices[0].finish_reason
+                )
                 used = next(x.usage for x in chunks if x.usage).completion_tokens
             else:
                 r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12)

@@ -19,9 +19,10 @@ from kvreuse.serve.server import ServerThread
 def served() -> Iterator[tuple[OpenAI, str, int]]:
     backend = default_backend(num_blocks=256)
     u = backend.mgr.geo.hash_unit
-    with ServerThread(create_app(backend)) as url, OpenAI(
-        base_url=url + "/v1", api_key="none", max_retries=0
-    ) as client:
+    with (
+        ServerThread(create_app(backend)) as url,
+        OpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as client,
+    ):
         yield client, backend.name, u
 
 
@@ -29,16 +30,19 @@ def test_default_model_cold_warm_identical_answers(served: tuple[OpenAI, str, in
     client, model, u = served
     prompt = "The prefix cache reuses what it can prove. " * 6
     p = len(prompt.encode())
-    cold = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0,
-                                     extra_body={"ignore_eos": True})
-    warm = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0,
-                                     extra_body={"ignore_eos": True})
+    cold = client.completions.create(
+        model=model, prompt=prompt, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
+    warm = client.completions.create(
+        model=model, prompt=prompt, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert cold.usage.prompt_tokens == p
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
     assert warm.usage.prompt_tokens_details.cached_tokens == (p - 1) // u * u
     assert warm.choices[0].text == cold.choices[0].text
-    salted = client.completions.create(model=model, prompt=prompt, max_tokens=1,
-                                       extra_body={"cache_salt": "other-tenant"})
+    salted = client.completions.create(
+        model=model, prompt=prompt, max_tokens=1, extra_body={"cache_salt": "other-tenant"}
+    )
     assert salted.usage.prompt_tokens_details.cached_tokens == 0
 
 
@@ -47,10 +51,16 @@ def test_default_model_chat_stream(served: tuple[OpenAI, str, int]) -> None:
     msgs = [{"role": "user", "content": "Say something about caches. " * 4}]
     cached = []
     for _ in range(2):
-        chunks = list(client.chat.completions.create(
-            model=model, messages=msgs, max_tokens=4, temperature=0, stream=True,
-            stream_options={"include_usage": True},
-        ))
+        chunks = list(
+            client.chat.completions.create(
+                model=model,
+                messages=msgs,
+                max_tokens=4,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         assert chunks[-1].usage is not None
         cached.append(chunks[-1].usage.prompt_tokens_details.cached_tokens)
     assert cached[0] == 0 < cached[1]

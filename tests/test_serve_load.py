@@ -62,8 +62,12 @@ async def _load(url: str, clients: int, per_client: int) -> list[tuple[object, s
             # shared system prefixes (8 of them) plus a per-request suffix: many partial hits
             prompt = f"system prompt {c % 8} " * 12 + f"client {c} request {i} " * (1 + i)
             stream = await client.completions.create(
-                model=MODEL, prompt=prompt, max_tokens=4, stream=True,
-                stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=4,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
             )
             usage, text = None, ""
             async for chunk in stream:
@@ -100,9 +104,10 @@ def test_reset_is_409_while_blocks_are_in_use(gated: tuple[str, GatedEngine, obj
     url, gate, engine = gated
     body = {"model": MODEL, "prompt": "busy " * 20, "max_tokens": 200, "stream": True}
     gate.pause()  # the request's first step will block: it stays running
-    with httpx.Client(timeout=30) as http, http.stream(
-        "POST", url + "/v1/completions", json=body
-    ) as resp:
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream("POST", url + "/v1/completions", json=body) as resp,
+    ):
         lines = resp.iter_lines()
         assert gate.blocked.wait(10)
         answer: list[httpx.Response] = []
@@ -127,14 +132,16 @@ def test_client_disconnect_aborts_and_frees_blocks(
     aborted = 'kvreuse:request_finished_total{finished_reason="abort"}'
     gate.pause()  # the request cannot finish while paused
     if stream:
-        with httpx.Client(timeout=30) as http, http.stream(
-            "POST", url + "/v1/completions", json=body
-        ) as resp:
+        with (
+            httpx.Client(timeout=30) as http,
+            http.stream("POST", url + "/v1/completions", json=body) as resp,
+        ):
             assert resp.status_code == 200 and gate.blocked.wait(10)
         # leaving the block closed the connection mid-stream
     else:
-        with httpx.Client(timeout=httpx.Timeout(30, read=0.5)) as http, pytest.raises(
-            httpx.ReadTimeout
+        with (
+            httpx.Client(timeout=httpx.Timeout(30, read=0.5)) as http,
+            pytest.raises(httpx.ReadTimeout),
         ):
             http.post(url + "/v1/completions", json=body)  # cannot finish while paused
     wait_for(lambda: _inbox_has_work(engine), "the abort to reach the step loop")

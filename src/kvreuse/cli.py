@@ -200,10 +200,18 @@ def _add_qualify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="in-process server: model directory")
     p.add_argument("--geometry", default=None, help="in-process server: preset or TOML file")
     p.add_argument("--fake", action="store_true", help="in-process server: fake model")
-    p.add_argument("--num-blocks", type=int, default=None,
-                   help="in-process server: cache size (default 256, small enough to fill)")
-    p.add_argument("--max-fill-tokens", type=int, default=None,
-                   help="token budget of scenario (e); larger caches are skipped")
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="in-process server: cache size (default 256, small enough to fill)",
+    )
+    p.add_argument(
+        "--max-fill-tokens",
+        type=int,
+        default=None,
+        help="token budget of scenario (e); larger caches are skipped",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_qualify)
 

@@ -31,9 +31,7 @@ if TYPE_CHECKING:
 _NO_SAVES: frozenset[int] = frozenset()
 
 
-def parse_outcome(
-    rec: PlanRecord, outcome: Any
-) -> tuple[int, list[int], AbstractSet[int] | None]:
+def parse_outcome(rec: PlanRecord, outcome: Any) -> tuple[int, list[int], AbstractSet[int] | None]:
     """Check one outcome against spec §10.1; returns (T′, new tokens, saved positions)."""
     req = rec.req
     rid = req.request_id

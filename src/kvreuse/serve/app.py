@@ -1,12 +1,12 @@
 """The OpenAI-compatible HTTP app: `create_app(backend)`.
 
-    GET  /health                 200 {"status": "ok"}, 503 when the step loop has failed
-    GET  /v1/models              the one model served
-    POST /v1/completions         prompt: text or token ids; SSE with "stream": true
-    POST /v1/chat/completions    the chat template of `kvreuse.serve.protocol`
-    GET  /metrics                Prometheus text (own registry per app)
-    POST /reset_prefix_cache     200, or 409 while blocks are in use
-    GET  /kvreuse/geometry       the cache geometry as a TOML geometry file (for qualify)
+GET  /health                 200 {"status": "ok"}, 503 when the step loop has failed
+GET  /v1/models              the one model served
+POST /v1/completions         prompt: text or token ids; SSE with "stream": true
+POST /v1/chat/completions    the chat template of `kvreuse.serve.protocol`
+GET  /metrics                Prometheus text (own registry per app)
+POST /reset_prefix_cache     200, or 409 while blocks are in use
+GET  /kvreuse/geometry       the cache geometry as a TOML geometry file (for qualify)
 """
 
 from __future__ import annotations
@@ -67,8 +67,13 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        card = {"id": backend.name, "object": "model", "created": 0, "owned_by": "kvreuse",
-                "max_model_len": backend.max_model_len}
+        card = {
+            "id": backend.name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "kvreuse",
+            "max_model_len": backend.max_model_len,
+        }
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.get("/kvreuse/geometry")
@@ -84,8 +89,13 @@ def create_app(
     @app.post("/reset_prefix_cache")
     async def reset() -> JSONResponse:
         if not await engine.call(_reset):
-            raise ApiError(409, "the prefix cache is in use (requests are running or waiting); "
-                           "retry when the server is idle", type="conflict", code="cache_in_use")
+            raise ApiError(
+                409,
+                "the prefix cache is in use (requests are running or waiting); "
+                "retry when the server is idle",
+                type="conflict",
+                code="cache_in_use",
+            )
         return JSONResponse({"status": "reset"})
 
     @app.post("/v1/completions")
@@ -122,16 +132,26 @@ async def _json(http: HttpRequest) -> Any:
 def _completion_prompt(backend: Backend, prompt: Any) -> list[int]:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
-            raise ApiError(400, "batched prompts are not supported; send one prompt per request",
-                           param="prompt")
+            raise ApiError(
+                400,
+                "batched prompts are not supported; send one prompt per request",
+                param="prompt",
+            )
         prompt = prompt[0]
     if isinstance(prompt, str):
         return backend.tokenizer.encode(prompt)
     return list(prompt)
 
 
-async def _respond(engine: EngineLoop, backend: Backend, gen: Gen, req: Any, http: HttpRequest,
-                   chat: bool, force_usage: bool) -> Response:
+async def _respond(
+    engine: EngineLoop,
+    backend: Backend,
+    gen: Gen,
+    req: Any,
+    http: HttpRequest,
+    chat: bool,
+    force_usage: bool,
+) -> Response:
     out = submit(engine, gen)
     if req.stream:
         asked = req.stream_options is not None and req.stream_options.include_usage
@@ -146,11 +166,19 @@ async def _respond(engine: EngineLoop, backend: Backend, gen: Gen, req: Any, htt
         return Response(status_code=499)
     head = _head(gen, backend, chat)
     if chat:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": gen.finish_reason,
-                                  "message": {"role": "assistant", "content": gen.text}}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "logprobs": None,
+            "finish_reason": gen.finish_reason,
+            "message": {"role": "assistant", "content": gen.text},
+        }
     else:
-        choice = {"index": 0, "text": gen.text, "logprobs": None,
-                  "finish_reason": gen.finish_reason}
+        choice = {
+            "index": 0,
+            "text": gen.text,
+            "logprobs": None,
+            "finish_reason": gen.finish_reason,
+        }
     if req.return_token_ids:
         choice["prompt_token_ids"], choice["token_ids"] = gen.prompt, gen.token_ids
     return JSONResponse({**head, "choices": [choice], "usage": gen.usage()})
@@ -158,18 +186,27 @@ async def _respond(engine: EngineLoop, backend: Backend, gen: Gen, req: Any, htt
 
 def _head(gen: Gen, backend: Backend, chat: bool, chunk: bool = False) -> dict[str, Any]:
     kind = "chat.completion" if chat else "text_completion"
-    return {"id": gen.rid, "object": kind + (".chunk" if chat and chunk else ""),
-            "created": int(time.time()), "model": backend.name}
+    return {
+        "id": gen.rid,
+        "object": kind + (".chunk" if chat and chunk else ""),
+        "created": int(time.time()),
+        "model": backend.name,
+    }
 
 
-def _chunk(head: dict[str, Any], chat: bool, text: str | None, reason: str | None,
-           role: bool = False) -> str:
+def _chunk(
+    head: dict[str, Any], chat: bool, text: str | None, reason: str | None, role: bool = False
+) -> str:
     if chat:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
         if text:
             delta["content"] = text
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
-                                  "finish_reason": reason}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": None,
+            "finish_reason": reason,
+        }
     else:
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
     return _event({**head, "choices": [choice], "usage": None})
@@ -179,8 +216,16 @@ def _event(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-async def _sse(engine: EngineLoop, backend: Backend, gen: Gen, out: asyncio.Queue[Delta],
-               http: HttpRequest, chat: bool, token_ids: bool, usage: bool) -> AsyncIterator[str]:
+async def _sse(
+    engine: EngineLoop,
+    backend: Backend,
+    gen: Gen,
+    out: asyncio.Queue[Delta],
+    http: HttpRequest,
+    chat: bool,
+    token_ids: bool,
+    usage: bool,
+) -> AsyncIterator[str]:
     head = _head(gen, backend, chat, chunk=True)
     try:
         if chat:
@@ -194,7 +239,7 @@ async def _sse(engine: EngineLoop, backend: Backend, gen: Gen, out: asyncio.Queu
         return
     if gen.finish_reason == "disconnect":
         return
-    final = json.loads(_chunk(head, chat, None, gen.finish_reason)[len("data: "):])
+    final = json.loads(_chunk(head, chat, None, gen.finish_reason)[len("data: ") :])
     if token_ids:
         final["choices"][0]["prompt_token_ids"] = gen.prompt
         final["choices"][0]["token_ids"] = gen.token_ids

@@ -135,7 +135,12 @@ def default_backend(
     model_cfg = getattr(getattr(llm, "model", None), "config", None)
     vocab = getattr(model_cfg, "vocab_size", None)
     return Backend(
-        llm.model_name, llm.tokenizer, llm.scheduler, llm.max_model_len, geo, SamplingParams,
+        llm.model_name,
+        llm.tokenizer,
+        llm.scheduler,
+        llm.max_model_len,
+        geo,
+        SamplingParams,
         vocab if isinstance(vocab, int) else None,
     )
 

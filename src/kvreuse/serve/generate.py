@@ -46,13 +46,16 @@ class Gen:
 def check_model(backend: Backend, model: str | None) -> None:
     if model is not None and model != backend.name:
         raise ApiError(
-            400, f"the model {model!r} does not exist; this server serves {backend.name!r}",
-            param="model", code="model_not_found",
+            400,
+            f"the model {model!r} does not exist; this server serves {backend.name!r}",
+            param="model",
+            code="model_not_found",
         )
 
 
-def prepare(backend: Backend, req: _Common, prompt: list[int], prefix: str,
-            max_tokens: int | None) -> Gen:
+def prepare(
+    backend: Backend, req: _Common, prompt: list[int], prefix: str, max_tokens: int | None
+) -> Gen:
     """Check a request against the model and the cache; 400 naming the problem."""
     check_model(backend, req.model)
     if req.n != 1:
@@ -62,24 +65,36 @@ def prepare(backend: Backend, req: _Common, prompt: list[int], prefix: str,
     vocab = backend.token_limit
     bad = next((t for t in prompt if not 0 <= t < vocab), None)
     if bad is not None:
-        raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {vocab})",
-                       param="prompt")
+        raise ApiError(
+            400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt"
+        )
     limit = backend.max_model_len
     if len(prompt) >= limit:
-        raise ApiError(400, f"this model's maximum context length is {limit} tokens; the prompt "
-                       f"has {len(prompt)}", param="prompt", code="context_length_exceeded")
+        raise ApiError(
+            400,
+            f"this model's maximum context length is {limit} tokens; the prompt has {len(prompt)}",
+            param="prompt",
+            code="context_length_exceeded",
+        )
     n = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     if n < 1:
         raise ApiError(400, f"max_tokens must be at least 1, got {n}", param="max_tokens")
     if len(prompt) + n > limit:
-        raise ApiError(400, f"this model's maximum context length is {limit} tokens; the prompt "
-                       f"({len(prompt)}) plus max_tokens ({n}) exceed it", param="max_tokens",
-                       code="context_length_exceeded")
+        raise ApiError(
+            400,
+            f"this model's maximum context length is {limit} tokens; the prompt "
+            f"({len(prompt)}) plus max_tokens ({n}) exceed it",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     cfg = backend.mgr.config
     need = cfg.blocks_for_request(len(prompt) + n)
     if need > cfg.num_blocks - 1:
-        raise ApiError(400, f"the request needs {need} KV blocks; the cache has "
-                       f"{cfg.num_blocks - 1}", param="max_tokens")
+        raise ApiError(
+            400,
+            f"the request needs {need} KV blocks; the cache has {cfg.num_blocks - 1}",
+            param="max_tokens",
+        )
     for name, value, lo, hi in (("temperature", req.temperature, 0, 2), ("top_p", req.top_p, 0, 1)):
         if value is not None and not lo <= value <= hi:
             raise ApiError(400, f"{name} must be in [{lo}, {hi}], got {value}", param=name)
@@ -89,8 +104,15 @@ def prepare(backend: Backend, req: _Common, prompt: list[int], prefix: str,
         stop_ids.add(eos)
     stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     sampling = make_sampling(backend, req, n, frozenset(stop_ids))
-    return Gen(f"{prefix}-{uuid.uuid4().hex}", prompt, n, sampling, req.cache_salt,
-               frozenset(stop_ids), tuple(s for s in stops if s))
+    return Gen(
+        f"{prefix}-{uuid.uuid4().hex}",
+        prompt,
+        n,
+        sampling,
+        req.cache_salt,
+        frozenset(stop_ids),
+        tuple(s for s in stops if s),
+    )
 
 
 def make_sampling(backend: Backend, req: _Common, max_tokens: int, stop: frozenset[int]) -> Any:
@@ -109,11 +131,16 @@ def make_sampling(backend: Backend, req: _Common, max_tokens: int, stop: frozens
 
 def submit(engine: EngineLoop, gen: Gen) -> asyncio.Queue[Delta]:
     try:
-        return engine.submit(gen.rid, gen.prompt, gen.max_tokens, gen.sampling, gen.salt,
-                             gen.stop_ids)
+        return engine.submit(
+            gen.rid, gen.prompt, gen.max_tokens, gen.sampling, gen.salt, gen.stop_ids
+        )
     except Overloaded as exc:
-        raise ApiError(429, f"the server is overloaded: {exc}; retry later",
-                       type="rate_limit_exceeded", code="overloaded") from None
+        raise ApiError(
+            429,
+            f"the server is overloaded: {exc}; retry later",
+            type="rate_limit_exceeded",
+            code="overloaded",
+        ) from None
     except Unavailable as exc:
         raise ApiError(503, str(exc), type="service_unavailable") from None
 
@@ -126,8 +153,9 @@ async def _watch_disconnect(http: HttpRequest, out: asyncio.Queue[Delta]) -> Non
             return
 
 
-async def run(engine: EngineLoop, backend: Backend, gen: Gen, out: asyncio.Queue[Delta],
-              http: HttpRequest) -> AsyncIterator[str]:
+async def run(
+    engine: EngineLoop, backend: Backend, gen: Gen, out: asyncio.Queue[Delta], http: HttpRequest
+) -> AsyncIterator[str]:
     """Drive `gen` (already `submit`ted, its deltas arrive in `out`) to its end, yielding text.
 
     A client disconnect ends the iteration with finish_reason "disconnect"; leaving early for any
@@ -139,8 +167,11 @@ async def run(engine: EngineLoop, backend: Backend, gen: Gen, out: asyncio.Queue
         while gen.finish_reason is None:
             delta = await out.get()
             if delta.error is not None:
-                raise ApiError(503 if delta.finish_reason == "error" else 500, delta.error,
-                               type="service_unavailable")
+                raise ApiError(
+                    503 if delta.finish_reason == "error" else 500,
+                    delta.error,
+                    type="service_unavailable",
+                )
             if delta.finish_reason == "disconnect":
                 gen.finish_reason = "disconnect"
                 return
@@ -168,7 +199,7 @@ def _detok(backend: Backend, gen: Gen, reason: str | None) -> str:
         if full.endswith("\ufffd"):
             keep = max(keep, 1)
         full = full[: max(len(gen.text), len(full) - keep)]
-    new = full[len(gen.text):]
+    new = full[len(gen.text) :]
     gen.text = full
     gen.finish_reason = reason
     return new

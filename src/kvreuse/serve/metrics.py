@@ -49,8 +49,15 @@ BLOCK_GAUGES = (
     ("kv_blocks_cached", "kv_blocks_cached", "Unreferenced blocks that still carry keys."),
 )
 REASONS = (
-    "below_unit", "cap_reached", "recurrent_limited", "window_limited", "spec_decode_rewind",
-    "evicted", "no_entry", "disabled", "skip_read",
+    "below_unit",
+    "cap_reached",
+    "recurrent_limited",
+    "window_limited",
+    "spec_decode_rewind",
+    "evicted",
+    "no_entry",
+    "disabled",
+    "skip_read",
 )
 
 
@@ -84,24 +91,38 @@ class SnapshotCollector(Collector):
             return
         for key, name, doc in COUNTERS:
             yield CounterMetricFamily(P + name, doc, value=float(s.get(key, 0)))
-        yield CounterMetricFamily(P + "num_preemptions", "Preemptions by recompute.",
-                                  value=float(s["num_preemptions"]))
+        yield CounterMetricFamily(
+            P + "num_preemptions", "Preemptions by recompute.", value=float(s["num_preemptions"])
+        )
         yield from self._labelled(s)
-        yield GaugeMetricFamily(P + "kv_cache_usage_perc",
-                                "Fraction of KV blocks in use (0..1).", value=float(s["kv_usage"]))
-        yield GaugeMetricFamily(P + "kv_blocks_free", "Blocks with no reference and no key.",
-                                value=float(s["kv_blocks_free"]))
+        yield GaugeMetricFamily(
+            P + "kv_cache_usage_perc",
+            "Fraction of KV blocks in use (0..1).",
+            value=float(s["kv_usage"]),
+        )
+        yield GaugeMetricFamily(
+            P + "kv_blocks_free",
+            "Blocks with no reference and no key.",
+            value=float(s["kv_blocks_free"]),
+        )
         for key, name, doc in BLOCK_GAUGES:
             fam = GaugeMetricFamily(P + name, doc, labels=["group_kind"])
             for kind, v in sorted(s[key].items()):
                 fam.add_metric([kind], float(v))
             yield fam
-        yield GaugeMetricFamily(P + "num_requests_running", "Requests in the running batch.",
-                                value=float(s["num_requests_running"]))
-        yield GaugeMetricFamily(P + "num_requests_waiting", "Requests waiting for admission.",
-                                value=float(s["num_requests_waiting"]))
-        fam = CounterMetricFamily(P + "request_finished", "Requests ended, by finish reason.",
-                                  labels=["finished_reason"])
+        yield GaugeMetricFamily(
+            P + "num_requests_running",
+            "Requests in the running batch.",
+            value=float(s["num_requests_running"]),
+        )
+        yield GaugeMetricFamily(
+            P + "num_requests_waiting",
+            "Requests waiting for admission.",
+            value=float(s["num_requests_waiting"]),
+        )
+        fam = CounterMetricFamily(
+            P + "request_finished", "Requests ended, by finish reason.", labels=["finished_reason"]
+        )
         for reason, v in sorted(s["request_finished"].items()):
             fam.add_metric([reason], float(v))
         yield fam

@@ -51,8 +51,9 @@ class RulePredictor:
                 for c in self._states(g.page_size, len(prompt), committed, n, hit, junction):
                     self.entries.add((g.group_id, c, ident(geo, req, c)))
 
-    def _states(self, m: int, prompt_len: int, committed: int, n: int, hit: int,
-                junction: int | None) -> set[int]:
+    def _states(
+        self, m: int, prompt_len: int, committed: int, n: int, hit: int, junction: int | None
+    ) -> set[int]:
         """Positions of the recurrent states a request publishes (9.4, 10.4)."""
         geo, u, s = self.geo, self.geo.hash_unit, self.geo.common_page
         n_prompt = max(0, (prompt_len - geo.lookahead) // u)
@@ -85,8 +86,11 @@ class _ScriptedEngine:
                 t_new, new = plan.end, []
             else:
                 t_new, new = num, [self.script[plan.request_id][len(seq.output)]]
-            out[plan.request_id] = (t_new, new, [s.position for s in plan.saves
-                                                 if s.position <= t_new])
+            out[plan.request_id] = (
+                t_new,
+                new,
+                [s.position for s in plan.saves if s.position <= t_new],
+            )
         return out
 
 

@@ -28,13 +28,20 @@ class ApiError(Exception):
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
-            status, message, type, param, code,
+            status,
+            message,
+            type,
+            param,
+            code,
         )
 
     def body(self) -> dict[str, Any]:
         return {
             "error": {
-                "message": self.message, "type": self.type, "param": self.param, "code": self.code
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
             }
         }
 

@@ -91,16 +91,23 @@ class Client:
 
     def complete(self, prompt: list[int], max_tokens: int, stream: bool) -> tuple[int, list[int]]:
         body: dict[str, Any] = {
-            "model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True, "stream": stream,
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "stream": stream,
         }
         if not stream:
             r = self.http.post("/v1/completions", json=body)
             if r.status_code != 200:
                 raise QualifyError(f"completion answered {r.status_code}: {r.text[:300]}")
             data = r.json()
-            return (data["usage"]["prompt_tokens_details"]["cached_tokens"],
-                    data["choices"][0]["token_ids"])
+            return (
+                data["usage"]["prompt_tokens_details"]["cached_tokens"],
+                data["choices"][0]["token_ids"],
+            )
         body["stream_options"] = {"include_usage": True}
         return self._stream(body)
 
@@ -160,8 +167,14 @@ class Runner:
         except QualifyError:
             return math.nan  # not reported: the rules column is then not judged
 
-    def send(self, name: str, prompt: list[int], max_tokens: int, stream: bool = False,
-             same_as: list[int] | None = None) -> list[int]:
+    def send(
+        self,
+        name: str,
+        prompt: list[int],
+        max_tokens: int,
+        stream: bool = False,
+        same_as: list[int] | None = None,
+    ) -> list[int]:
         assert self.current is not None
         rule, junction = self.rules.predict(prompt)
         cached, out = self.client.complete(prompt, max_tokens, stream)
@@ -188,8 +201,10 @@ class Runner:
             if row.answer_ok is False:
                 row.failures.append(f"{where}: warm answer differs from the cold answer")
         if total != sc.hits_delta:
-            sc.failures.append(f"{sc.name}: counters: Σ cached_tokens {total} != Δ prefix_cache"
-                               f"_hits {sc.hits_delta:g}")
+            sc.failures.append(
+                f"{sc.name}: counters: Σ cached_tokens {total} != Δ prefix_cache"
+                f"_hits {sc.hits_delta:g}"
+            )
 
     def failures(self) -> list[str]:
         out = []
@@ -207,8 +222,11 @@ def main(args: argparse.Namespace) -> int:
         with _server(args) as url:
             client = Client(url)
             try:
-                geo = (load_geometry(Path(args.geometry).read_text(), args.geometry)
-                       if args.url and args.geometry else client.geometry())
+                geo = (
+                    load_geometry(Path(args.geometry).read_text(), args.geometry)
+                    if args.url and args.geometry
+                    else client.geometry()
+                )
                 runner = Runner(client, geo, args.seed)
                 run_all(runner, quick=args.quick, max_fill=args.max_fill_tokens)
             finally:
@@ -222,8 +240,10 @@ def main(args: argparse.Namespace) -> int:
     failures = runner.failures()
     for f in failures:
         print(f"FAIL {f}")
-    print(f"kvreuse qualify: {'PASSED' if not failures else 'FAILED'} "
-          f"({len(failures)} failure(s)); report in {args.out}/qualify.md")
+    print(
+        f"kvreuse qualify: {'PASSED' if not failures else 'FAILED'} "
+        f"({len(failures)} failure(s)); report in {args.out}/qualify.md"
+    )
     return 0 if not failures else 1
 
 
@@ -238,8 +258,11 @@ def _server(args: argparse.Namespace) -> Iterator[str]:
 
     blocks = args.num_blocks or QUALIFY_NUM_BLOCKS[bool(args.quick)]
     try:
-        backend = (fake_backend(args.geometry, num_blocks=blocks) if args.fake
-                   else default_backend(args.model, args.geometry, blocks))
+        backend = (
+            fake_backend(args.geometry, num_blocks=blocks)
+            if args.fake
+            else default_backend(args.model, args.geometry, blocks)
+        )
     except (RuntimeError, ValueError, OSError) as exc:
         raise QualifyError(str(exc)) from None
     with ServerThread(create_app(backend)) as url:

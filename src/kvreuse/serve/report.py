@@ -36,13 +36,16 @@ def write_report(runner: Runner, out: str, url: str, seconds: float) -> None:
         "passed": not failures,
         "seconds": round(seconds, 2),
         "failures": failures,
-        "scenarios": [_summary(sc) | {"rows": [asdict(r) for r in sc.rows]}
-                      for sc in runner.scenarios],
+        "scenarios": [
+            _summary(sc) | {"rows": [asdict(r) for r in sc.rows]} for sc in runner.scenarios
+        ],
     }
     (path / "qualify.json").write_text(json.dumps(doc, indent=1) + "\n")
     lines = [
-        f"# kvreuse qualify: {'PASSED' if not failures else 'FAILED'}", "",
-        f"Server {url}, model `{runner.client.model}`, {seconds:.1f} s.", "",
+        f"# kvreuse qualify: {'PASSED' if not failures else 'FAILED'}",
+        "",
+        f"Server {url}, model `{runner.client.model}`, {seconds:.1f} s.",
+        "",
         "| scenario | requests | Σ cached | Δ hits counter | evicted blocks | rules checked "
         "| failed | seconds | status |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -54,14 +57,21 @@ def write_report(runner: Runner, out: str, url: str, seconds: float) -> None:
             f"| {s['evicted_blocks']:g} | {'yes' if s['rules_checked'] else 'no'} "
             f"| {s['failed_requests']} | {s['seconds']} | {s['status']} |"
         )
-    lines += ["", "## Requests", "", "| scenario | request | prompt | cached | rules | shadow "
-              "| answer | ok |", "|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Requests",
+        "",
+        "| scenario | request | prompt | cached | rules | shadow | answer | ok |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for sc in runner.scenarios:
         for r in sc.rows:
             ans = "" if r.answer_ok is None else ("same" if r.answer_ok else "DIFFERS")
             rules = "n/a" if r.rules is None else r.rules
-            lines.append(f"| {r.scenario} | {r.request} | {r.prompt_tokens} | {r.cached} "
-                         f"| {rules} | {r.shadow} | {ans} | {'FAIL' if r.failures else 'ok'} |")
+            lines.append(
+                f"| {r.scenario} | {r.request} | {r.prompt_tokens} | {r.cached} "
+                f"| {rules} | {r.shadow} | {ans} | {'FAIL' if r.failures else 'ok'} |"
+            )
     if failures:
         lines += ["", "## Failures", ""] + [f"- {f}" for f in failures]
     (path / "qualify.md").write_text("\n".join(lines) + "\n")
@@ -72,16 +82,32 @@ def print_report(runner: Runner, seconds: float) -> None:
     from rich.table import Table
 
     table = Table(title=f"kvreuse qualify ({seconds:.1f} s)")
-    for col in ("scenario", "requests", "Σ cached", "Δ hits", "evicted", "rules", "failed",
-                "s", "status"):
+    for col in (
+        "scenario",
+        "requests",
+        "Σ cached",
+        "Δ hits",
+        "evicted",
+        "rules",
+        "failed",
+        "s",
+        "status",
+    ):
         table.add_column(col, justify="left" if col in ("scenario", "status") else "right")
     for sc in runner.scenarios:
         s = _summary(sc)
         style = {"pass": "green", "FAIL": "bold red", "skip": "yellow"}[s["status"]]
-        table.add_row(s["scenario"], str(s["requests"]), str(s["cached_tokens"]),
-                      f"{s['hits_delta']:g}", f"{s['evicted_blocks']:g}",
-                      "yes" if s["rules_checked"] else "no", str(s["failed_requests"]),
-                      f"{s['seconds']:.1f}", f"[{style}]{s['status']}[/{style}]")
+        table.add_row(
+            s["scenario"],
+            str(s["requests"]),
+            str(s["cached_tokens"]),
+            f"{s['hits_delta']:g}",
+            f"{s['evicted_blocks']:g}",
+            "yes" if s["rules_checked"] else "no",
+            str(s["failed_requests"]),
+            f"{s['seconds']:.1f}",
+            f"[{style}]{s['status']}[/{style}]",
+        )
     Console(width=120).print(table)
     for sc in runner.scenarios:
         if sc.skipped:

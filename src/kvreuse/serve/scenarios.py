@@ -78,8 +78,10 @@ def pressure(runner: Runner, page: int, limit: int, quick: bool, budget: int) ->
     count = math.ceil(1.25 * (cfg.num_blocks - 1) / per)
     with runner.scenario("e-pressure") as sc:
         if 3 * count * length > budget:
-            sc.skipped = (f"filling {cfg.num_blocks} blocks needs {3 * count * length} tokens; "
-                          f"over the budget of {budget} (--max-fill-tokens)")
+            sc.skipped = (
+                f"filling {cfg.num_blocks} blocks needs {3 * count * length} tokens; "
+                f"over the budget of {budget} (--max-fill-tokens)"
+            )
             return
         seqs = [runner.tokens(length) for _ in range(count)]
         first = [runner.send(f"fill-{i}", s, 1) for i, s in enumerate(seqs)]

@@ -26,8 +26,9 @@ class ServerThread:
         self.sock.bind((host, port))
         self.sock.listen(2048)
         self.host, self.port = self.sock.getsockname()[:2]
-        config = uvicorn.Config(app, log_level="warning", lifespan="on",
-                                timeout_graceful_shutdown=5, access_log=False)
+        config = uvicorn.Config(
+            app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5, access_log=False
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._serve, name="kvreuse-uvicorn", daemon=True)
         self.error: BaseException | None = None
