@@ -152,5 +152,7 @@ def new_request_state(req: Request, hasher: Hasher) -> RequestState:
     if not all(isinstance(m, MultiModalItem) for m in mm):
         raise TypeError(f"request {rid!r}: mm_items must be MultiModalItem instances")
     chain = hasher.chain(lora=lora, mm_items=mm, cache_salt=req.cache_salt)
-    chain.extend(tokens)
+    src = req.prompt_token_ids
+    # A 4-byte unsigned array hashes from its own buffer (a copy), not from the list made of it.
+    chain.extend(src if type(src) is array and src.typecode == _U32 else tokens)
     return RequestState(rid, tokens, len(tokens), chain, lora, mm, bool(req.skip_read))
