@@ -48,6 +48,12 @@ BLOCK_GAUGES = (
     ("kv_blocks_in_use", "kv_blocks_in_use", "Blocks referenced by requests."),
     ("kv_blocks_cached", "kv_blocks_cached", "Unreferenced blocks that still carry keys."),
 )
+GAUGES = (  # (snapshot key, metric name, help)
+    ("kv_usage", "kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)."),
+    ("kv_blocks_free", "kv_blocks_free", "Blocks with no reference and no key."),
+    ("num_requests_running", "num_requests_running", "Requests in the running batch."),
+    ("num_requests_waiting", "num_requests_waiting", "Requests waiting for admission."),
+)
 REASONS = (
     "below_unit",
     "cap_reached",
@@ -95,31 +101,13 @@ class SnapshotCollector(Collector):
             P + "num_preemptions", "Preemptions by recompute.", value=float(s["num_preemptions"])
         )
         yield from self._labelled(s)
-        yield GaugeMetricFamily(
-            P + "kv_cache_usage_perc",
-            "Fraction of KV blocks in use (0..1).",
-            value=float(s["kv_usage"]),
-        )
-        yield GaugeMetricFamily(
-            P + "kv_blocks_free",
-            "Blocks with no reference and no key.",
-            value=float(s["kv_blocks_free"]),
-        )
+        for key, name, doc in GAUGES:
+            yield GaugeMetricFamily(P + name, doc, value=float(s[key]))
         for key, name, doc in BLOCK_GAUGES:
             fam = GaugeMetricFamily(P + name, doc, labels=["group_kind"])
             for kind, v in sorted(s[key].items()):
                 fam.add_metric([kind], float(v))
             yield fam
-        yield GaugeMetricFamily(
-            P + "num_requests_running",
-            "Requests in the running batch.",
-            value=float(s["num_requests_running"]),
-        )
-        yield GaugeMetricFamily(
-            P + "num_requests_waiting",
-            "Requests waiting for admission.",
-            value=float(s["num_requests_waiting"]),
-        )
         fam = CounterMetricFamily(
             P + "request_finished", "Requests ended, by finish reason.", labels=["finished_reason"]
         )
