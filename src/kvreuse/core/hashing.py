@@ -25,8 +25,10 @@ HASH_ALGOS = ("sha256", "xxh3_128", "blake3")
 _PACKAGES = {"xxh3_128": "xxhash", "blake3": "blake3"}
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _LITTLE = sys.byteorder == "little"
-_TOK_CODE = "I" if array("I").itemsize == 4 else "L"  # a 4-byte unsigned array typecode
-assert array(_TOK_CODE).itemsize == 4
+# The 4-byte unsigned array typecode: tokens are hashed, validated (request.py) and built (the
+# simulator's prompts) as such arrays.
+TOKEN_TYPECODE = "I" if array("I").itemsize == 4 else "L"
+assert array(TOKEN_TYPECODE).itemsize == 4
 
 Lora = tuple[str, str]
 
@@ -64,7 +66,7 @@ def _u64(n: int) -> bytes:
 
 def _tok_bytes(tokens: Sequence[int]) -> bytes:
     """Tokens as 4-byte big-endian words, converted in one C-level pass."""
-    a = array(_TOK_CODE)
+    a = array(TOKEN_TYPECODE)
     if type(tokens) is list:
         a.fromlist(tokens)  # faster than array(code, list), which uses the generic sequence API
     else:

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from kvreuse.core.hashing import TOKEN_TYPECODE
+
 if TYPE_CHECKING:
     from kvreuse.core.hashing import Chain, Hasher
     from kvreuse.core.plan import RequestPlan
@@ -46,7 +48,6 @@ class Request:
 
 # Unsigned array typecodes of at most 4 bytes: every element is an int in [0, 2^32) by type.
 _TRUSTED_CODES = frozenset(c for c in "BHIL" if array(c).itemsize <= 4)
-_U32 = "I" if array("I").itemsize == 4 else "L"
 
 
 def check_tokens(token_ids: Sequence[int], what: str) -> list[int]:
@@ -64,7 +65,7 @@ def check_tokens(token_ids: Sequence[int], what: str) -> list[int]:
     # array accepts them all (it raises on anything outside [0, 2^32)).
     if set(map(type, tokens)) == {int}:
         try:
-            array(_U32).fromlist(tokens)
+            array(TOKEN_TYPECODE).fromlist(tokens)
             return tokens
         except OverflowError:
             pass  # the loop below names the offending token
@@ -154,5 +155,5 @@ def new_request_state(req: Request, hasher: Hasher) -> RequestState:
     chain = hasher.chain(lora=lora, mm_items=mm, cache_salt=req.cache_salt)
     src = req.prompt_token_ids
     # A 4-byte unsigned array hashes from its own buffer (a copy), not from the list made of it.
-    chain.extend(src if type(src) is array and src.typecode == _U32 else tokens)
+    chain.extend(src if type(src) is array and src.typecode == TOKEN_TYPECODE else tokens)
     return RequestState(rid, tokens, len(tokens), chain, lora, mm, bool(req.skip_read))

@@ -26,6 +26,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from kvreuse.core.hashing import TOKEN_TYPECODE
+
 FIELDS = {"id", "prompt", "max_tokens", "arrival", "after", "cache_salt", "lora"}
 VOCAB = 1 << 15  # random prompts' token ids lie in [0, VOCAB)
 
@@ -59,9 +61,6 @@ def random_tokens(seed: int, length: int) -> list[int]:
     return _random_tokens(seed, length).tolist()
 
 
-_U32 = "I" if array.array("I").itemsize == 4 else "L"
-
-
 @functools.lru_cache(maxsize=256)
 def _random_tokens(seed: int, length: int) -> array.array[int]:
     """Memoised: a shared system prompt is generated once, not once per request.
@@ -74,7 +73,7 @@ def _random_tokens(seed: int, length: int) -> array.array[int]:
     low, high = rng.randbytes(length), rng.randbytes(length).translate(_HIGH_7_BITS)
     words = bytearray(4 * length)
     words[0::4], words[1::4] = low, high
-    out = array.array(_U32, words)
+    out = array.array(TOKEN_TYPECODE, words)
     if sys.byteorder != "little":
         out.byteswap()  # the same tokens on every machine
     return out
@@ -95,11 +94,11 @@ def tokens_of(prompt: Any, history: dict[str, list[int]]) -> array.array[int]:
     if kind == "random":
         return _random_tokens(value["seed"], value["len"])[:]
     if kind == "concat":
-        out = array.array(_U32)
+        out = array.array(TOKEN_TYPECODE)
         for part in value:
             out += tokens_of(part, history)
         return out
-    return array.array(_U32, value if kind == "tokens" else history[value])
+    return array.array(TOKEN_TYPECODE, value if kind == "tokens" else history[value])
 
 
 def _histories(prompt: Any) -> Iterator[str]:
