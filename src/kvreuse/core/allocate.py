@@ -162,14 +162,19 @@ def admission_required(
     return required
 
 
-def growth_required(geo: Geometry, req: RequestState, end: int, extra: int) -> int:
-    need, tables = 0, req.tables
+def growth_pages(geo: Geometry, req: RequestState, end: int, extra: int) -> list[tuple[int, int]]:
+    """(group, fresh pages) for every attention group a growth to [.., end + s) must extend."""
+    out, tables = [], req.tables
     for g in geo.groups:  # a plain loop: this runs once per request per step
         if g.is_attention:
             n = -(-(end + extra) // g.page_size) - len(tables[g.group_id])
             if n > 0:
-                need += n
-    return need
+                out.append((g.group_id, n))
+    return out
+
+
+def growth_required(geo: Geometry, req: RequestState, end: int, extra: int) -> int:
+    return sum(n for _, n in growth_pages(geo, req, end, extra))
 
 
 # ---------------------------------------------------------------------------- admission
@@ -257,22 +262,24 @@ def admit(
     return PlanRecord(req, plan, saves, copies, h, end)
 
 
-def grow(mgr: KVCacheManager, req: RequestState, num_new: int, extra: int) -> PlanRecord:
-    """Append fresh pages for [start, end + s) and plan this step's saves (9.6)."""
+def grow(
+    mgr: KVCacheManager, req: RequestState, num_new: int, extra: int, free: int
+) -> PlanRecord | None:
+    """Append fresh pages for [start, end + s) and plan this step's saves (9.6); None, with
+    nothing changed, when the fresh pages exceed `free`."""
     geo, pool = mgr.geo, mgr.pool
     start = req.scheduled
     end = start + num_new
-    parts = req.plan_parts
+    pages = growth_pages(geo, req, end, extra)
     new_blocks: dict[int, list[int]] | None = None
-    for g in geo.groups:
-        if g.is_attention:
-            row = req.tables[g.group_id]
-            count = -(-(end + extra) // g.page_size) - len(row)
-            if count > 0:  # most decode steps need no page
-                if new_blocks is None:
-                    new_blocks = {gid: [] for gid in req.tables}
-                new_blocks[g.group_id] = fresh = pool.pop_many(g.group_id, count)
-                row.extend(fresh)
+    if pages:  # most decode steps need no page
+        if sum(n for _, n in pages) > free:
+            return None
+        new_blocks = {gid: [] for gid in req.tables}
+        for gid, n in pages:
+            new_blocks[gid] = fresh = pool.pop_many(gid, n)
+            req.tables[gid].extend(fresh)
+    parts = req.plan_parts
     if new_blocks is not None or parts is None:
         # The plan's tables are a copy (plans are snapshots); while no page changes, every
         # growth plan shares one copy, rebuilt only when a page is added or freed.

@@ -174,10 +174,10 @@ class KVCacheManager:
             count_admission(self.counters, self.reasons, st, lookup.hit, lookup.reason)
             st.phase = Phase.RUNNING
         else:
-            need = growth_required(self.geo, st, st.scheduled + num_new_tokens, num_extra_slots)
-            if need > free:
+            grown = grow(self, st, num_new_tokens, num_extra_slots, free)
+            if grown is None:
                 return None
-            rec = grow(self, st, num_new_tokens, num_extra_slots)
+            rec = grown
         for c in rec.copies:
             self.cow[self.geo.groups[c.group_id].kind] += 1
         st.open_plan = rec.plan
