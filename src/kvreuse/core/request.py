@@ -129,10 +129,6 @@ class RequestState:
     def num_tokens(self) -> int:
         return len(self.tokens)
 
-    @property
-    def num_hashed(self) -> int:
-        return self.chain.num_units
-
 
 def new_request_state(req: Request, hasher: Hasher) -> RequestState:
     """Validate a `Request` and hash its prompt (the chain is then extended incrementally)."""
