@@ -1,14 +1,15 @@
-"""Hypothesis profiles: `ci` (default, ≥ 500 examples per property) and `slow`."""
+"""Hypothesis profiles: `ci` (default, ≥ 500 examples per property) and `slow`.
+
+Tests are grouped by what they need: `core/` only the core (and the test extra), `sim/` the
+simulator's plotting and progress packages, `engine/` torch, `serve/` the server stack. A folder
+whose packages are missing is skipped as a whole, naming the extra to install.
+"""
 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 from hypothesis import HealthCheck, settings
-
-sys.path.insert(0, str(Path(__file__).parent))  # tests/harness.py is shared by test modules
 
 settings.register_profile(
     "ci", max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow]

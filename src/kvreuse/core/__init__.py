@@ -5,6 +5,7 @@ Layers, bottom up: `hashing` (the chain) → `pool` + `policy` (blocks, index, f
 `manager` (the facade of spec §3).
 """
 
+from kvreuse.core.allocate import replay_point
 from kvreuse.core.config import CacheConfig, Geometry, GroupGeometry, GroupSpec
 from kvreuse.core.errors import ConfigError, InvariantError, StaleLookupError, UnknownRequestError
 from kvreuse.core.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, StoredEntry
@@ -42,4 +43,5 @@ __all__ = [
     "StepPlan",
     "StoredEntry",
     "UnknownRequestError",
+    "replay_point",
 ]

@@ -55,7 +55,7 @@ def _cyclic_gc_paused() -> Iterator[None]:
 
     A run holds every waiting request's tokens; each full collection walks all of them, which
     made a 10,000-request run spend half its time in the collector. The scheduler, the core
-    and the simulator build no reference cycles (tests/test_simulate.py checks this), so
+    and the simulator build no reference cycles (tests/sim/test_simulate.py checks this), so
     nothing accumulates while the collector is paused.
     """
     was = gc.isenabled()

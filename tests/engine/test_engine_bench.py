@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "engine_bench.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "engine_bench.py"
 
 
 def test_engine_bench_emits_json_lines() -> None:

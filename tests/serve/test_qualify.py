@@ -79,7 +79,7 @@ def test_qualify_fails_on_a_doctored_server(
 
 
 def test_quick_qualify_passes_on_the_default_model(tmp_path: Path) -> None:
-    pytest.importorskip("torch")
+    pytest.importorskip("torch", reason="needs torch: pip install -e '.[engine]'")
     assert main(["qualify", "--quick", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "qualify.json").read_text())
     assert doc["passed"] and doc["model"].startswith("kvreuse-tiny")

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-pytest.importorskip("torch")
+pytest.importorskip("torch", reason="needs torch: pip install -e '.[engine]'")
 
 from openai import OpenAI
 

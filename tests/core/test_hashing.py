@@ -27,7 +27,7 @@ from kvreuse.core.hashing import (
     unit_extra_keys,
 )
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 @dataclass(frozen=True)
