@@ -258,10 +258,7 @@ class Driver:
         for st in mgr.requests.values():
             if st.phase is not Phase.RUNNING or st.deferred is not None:
                 continue
-            recs = [r for r in mgr._open if r.req is st] + [
-                r for sid in st.inflight for r in mgr._sealed[sid] if r.req is st
-            ]
-            recs = [r for r in recs if not r.withdrawn]
+            recs = [r for r in mgr.ledger.records() if r.req is st and not r.withdrawn]
             if not recs:
                 continue
             end = max(r.plan.end for r in recs)
@@ -275,7 +272,7 @@ class Driver:
                     if row[(b - 1) // g.page_size] != NULL:
                         out.add((gid, b, self._ident(oreq, b)))
             for r in recs:
-                for gid, c, _, _, planned in r.saves:
+                for gid, c, _, _, planned in r.saves:  # PlannedSave fields
                     if planned and c <= e:
                         out.add((gid, c, self._ident(oreq, c)))
         return out

@@ -12,119 +12,21 @@ order adopt → pop fresh → pop saves, so a fresh pop never evicts a block thi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections import Counter
 
-from kvreuse.core.lookup import LookupResult, needed_from
+from kvreuse.core.acceptance import needed_from
+from kvreuse.core.config import Geometry
+from kvreuse.core.ledger import PlannedSave, PlanRecord
+from kvreuse.core.lookup import LookupResult
 from kvreuse.core.plan import Copy, RecurrentSlot, RequestPlan, Save
-from kvreuse.core.pool import NULL
-from kvreuse.core.request import RecurrentSlots, RequestState
-
-if TYPE_CHECKING:
-    from kvreuse.core.config import Geometry, GroupGeometry
-    from kvreuse.core.manager import KVCacheManager
-
-_ORDER = {"rolling": 0, "replay": 1, "junction": 2, "dense": 3}
-
-
-@dataclass(eq=False, slots=True)
-class PlanRecord:
-    """The manager's side of one RequestPlan: what its commit must settle."""
-
-    req: RequestState
-    plan: RequestPlan
-    saves: list[tuple[int, int, int, bool, bool]]  # (group, position, block, rolling, planned)
-    copies: list[Copy]
-    # The step's [start, end), kept here: the manager never trusts a plan it handed out.
-    start: int = 0
-    end: int = 0
-    step_id: int = -1
-    withdrawn: bool = False
-    keys: list[tuple[int, bytes]] | None = None  # pending_keys, valid while `keys_at` holds
-    keys_at: tuple[int, int] = (-1, -1)  # (req.committed, req.chain.num_units) when computed
-
-
-# ---------------------------------------------------------------------------- save planning
-def replay_point(geo: Geometry, prompt_len: int) -> int:
-    """ρ(P): the hit of an identical resend when every entry is resident (spec §8)."""
-    u = geo.hash_unit
-    if geo.spec_mode == "drop":
-        return max(0, prompt_len // u * u - u)
-    return max(0, (prompt_len - max(geo.lookahead, 1)) // u * u)
-
-
-def planned_positions(
-    geo: Geometry,
-    mgr: KVCacheManager,
-    req: RequestState,
-    g: GroupGeometry,
-    hit: int,
-    junction: int | None,
-) -> dict[int, str]:
-    """Positions a recurrent group plans at admission (9.4), purpose by first category."""
-    u, M, S = geo.hash_unit, g.page_size, geo.common_page
-    nu = req.chain.num_units * u
-    candidates: list[tuple[int, str]] = []
-    rho = replay_point(geo, req.prompt_len)
-    candidates += [(rho, "replay"), (rho // M * M, "replay"), (rho // S * S, "replay")]
-    if junction is not None:
-        candidates += [
-            (junction, "junction"),
-            (junction // M * M, "junction"),
-            (junction // S * S, "junction"),
-        ]
-    if geo.dense_retention:
-        candidates += [(c, "dense") for c in range(hit // M * M + M, nu + 1, M)]
-    out: dict[int, str] = {}
-    idx = mgr.pool.index[g.group_id]
-    hashes = req.chain.hashes
-    for c, why in candidates:
-        valid = hit < c <= nu and c % u == 0 and hashes[c // u] not in idx
-        if valid and (c not in out or _ORDER[why] < _ORDER[out[c]]):
-            out[c] = why
-    return out
-
-
-def step_saves(
-    geo: Geometry,
-    req: RequestState,
-    g: GroupGeometry,
-    start: int,
-    end: int,
-    planned: dict[int, str],
-) -> list[tuple[int, str, bool]]:
-    """Saves of one step in pop order: (position, first purpose, also planned)."""
-    u = geo.hash_unit
-    decode = start >= len(req.tokens) - 1 and start > 0
-    if decode and end // u == start // u and not any(start < c <= end for c in planned):
-        return []  # most decode steps: no unit boundary, nothing planned in (start, end]
-    floor = start + 1 if decode else max(start + 1, end // u * u - geo.kappa * u)
-    rolling = {c for c in range(-(-floor // u) * u, end + 1, u) if c > start}
-    chosen: dict[int, str] = {c: "rolling" for c in rolling}
-    for c, why in planned.items():
-        if start < c <= end and c not in chosen:
-            chosen[c] = why
-    return sorted(
-        ((c, why, c in planned) for c, why in chosen.items()), key=lambda t: (_ORDER[t[1]], t[0])
-    )
-
-
-def add_dense(
-    geo: Geometry, mgr: KVCacheManager, req: RequestState, g: GroupGeometry, start: int, end: int
-) -> None:
-    """Dense retention: multiples of M computed above the admission's hashed length (9.4)."""
-    if not geo.dense_retention:
-        return
-    M, u = g.page_size, geo.hash_unit
-    planned = req.planned[g.group_id]
-    idx, hashes, nu = mgr.pool.index[g.group_id], req.chain.hashes, req.chain.num_units * u
-    lo = max(start, req.dense_from)
-    for c in range(lo // M * M + M, end + 1, M):
-        if c in planned:
-            continue
-        if c <= nu and hashes[c // u] in idx:
-            continue
-        planned[c] = "dense"
+from kvreuse.core.pool import NULL, BlockPool
+from kvreuse.core.request import PlanParts, RecurrentSlots, RequestState, SavePurpose
+from kvreuse.core.savepoints import (
+    dense_positions,
+    is_quiet_decode,
+    planned_positions,
+    step_saves,
+)
 
 
 # ---------------------------------------------------------------------------- counting
@@ -136,13 +38,11 @@ def hit_blocks(res: LookupResult) -> list[int]:
 
 
 def admission_required(
-    geo: Geometry,
-    mgr: KVCacheManager,
-    res: LookupResult,
-    end: int,
-    extra: int,
-    hits: list[int] | None = None,
+    geo: Geometry, pool: BlockPool, res: LookupResult, end: int, extra: int, hits: list[int]
 ) -> int:
+    """The fresh blocks an admission needs (9.5): pages above the hit, a copy destination for
+    a partial hit page, a live state (and scratch) per recurrent group, and every hit block
+    that now sits in the free queue (adopting it takes it out)."""
     h = res.hit
     required = 0
     for g in geo.groups:
@@ -156,14 +56,13 @@ def admission_required(
                 required += total - h // B
         else:
             required += 1 + g.scratch
-    ref = mgr.pool.ref
-    hits = hit_blocks(res) if hits is None else hits
+    ref = pool.ref
     required += sum(1 for b in set(hits) if ref[b] == 0)
     return required
 
 
 def growth_pages(geo: Geometry, req: RequestState, end: int, extra: int) -> list[tuple[int, int]]:
-    """(group, fresh pages) for every attention group a growth to [.., end + s) must extend."""
+    """(gid, fresh pages) for every attention group a growth to [.., end + s) must extend."""
     out, tables = [], req.tables
     for g in geo.groups:  # a plain loop: this runs once per request per step
         if g.is_attention:
@@ -179,7 +78,9 @@ def growth_required(geo: Geometry, req: RequestState, end: int, extra: int) -> i
 
 # ---------------------------------------------------------------------------- admission
 def admit(
-    mgr: KVCacheManager,
+    geo: Geometry,
+    pool: BlockPool,
+    counters: Counter[str],
     req: RequestState,
     res: LookupResult,
     num_new: int,
@@ -187,22 +88,56 @@ def admit(
     hits: list[int],
 ) -> PlanRecord:
     """Take the references of an admission that is known to fit (9.5 steps 1–3)."""
-    geo, pool = mgr.geo, mgr.pool
     h, end = res.hit, res.hit + num_new
     # 0. fix the planned checkpoint positions on the index the lookup saw (before any pop can
     #    evict), so they equal what save_positions(req, lookup) reported.
     req.planned = {}
     if geo.caching_enabled:
-        for g in geo.groups:
-            if not g.is_attention:
-                req.planned[g.group_id] = planned_positions(geo, mgr, req, g, h, res.junction)
+        for g in geo.recurrent:
+            keys = pool.index[g.group_id]
+            req.planned[g.group_id] = planned_positions(geo, req, g, h, res.junction, keys)
     # 1. adopt every hit block (shared pages, copy sources, recurrent sources).
     pool.adopt_many(hits)
+    # 2. pop fresh blocks, groups ascending, slots in table order.
+    tables, new_blocks, copies, rec = _pop_admission(geo, pool, req, res, end + extra)
+    req.tables = tables
+    req.plan_parts = None
+    req.window_lo = {}
+    req.hit = h
+    req.committed = h
+    req.scheduled = end
+    req.processed = {
+        gid: h // geo.groups[gid].page_size * geo.groups[gid].page_size for gid in tables
+    }
+    req.published_states = {g.group_id: [] for g in geo.recurrent}
+    req.dense_from = req.chain.num_units * geo.hash_unit
+    # 3. saves, best effort.
+    saves = _pop_saves(geo, pool, counters, req, h, end)
+    plan = RequestPlan(
+        request_id=req.request_id,
+        start=h,
+        num_new_tokens=num_new,
+        num_extra_slots=extra,
+        tables={k: list(v) for k, v in tables.items()},
+        recurrent=rec,
+        new_blocks=new_blocks,
+        copies=copies,
+        saves=[Save(s.gid, s.position, s.block_id) for s in saves],
+        hit=h,
+        is_admission=True,
+    )
+    return PlanRecord(req=req, plan=plan, saves=saves, copies=copies, start=h, end=end)
+
+
+def _pop_admission(
+    geo: Geometry, pool: BlockPool, req: RequestState, res: LookupResult, top: int
+) -> tuple[dict[int, list[int]], dict[int, list[int]], list[Copy], dict[int, RecurrentSlot]]:
+    """Fresh blocks of an admission covering [0, top): (tables, new blocks, copies, states)."""
+    h = res.hit
     tables: dict[int, list[int]] = {}
     new_blocks: dict[int, list[int]] = {}
     copies: list[Copy] = []
     rec: dict[int, RecurrentSlot] = {}
-    # 2. pop fresh blocks, groups ascending, slots in table order.
     for g in geo.groups:
         gid = g.group_id
         if g.is_attention:
@@ -220,7 +155,7 @@ def admit(
             else:
                 row = [NULL] * (h // B)
                 first_fresh = len(row)
-            row.extend(pool.pop_many(gid, -(-(end + extra) // B) - len(row)))
+            row.extend(pool.pop_many(gid, -(-top // B) - len(row)))
             tables[gid] = row
             new_blocks[gid] = row[first_fresh:]
         else:
@@ -233,41 +168,21 @@ def admit(
             req.recurrent[gid] = RecurrentSlots(live, scratch, {})
             rec[gid] = RecurrentSlot(live, tuple(scratch), "copy" if src is not None else "zero")
             new_blocks[gid] = [live, *scratch]
-    req.tables = tables
-    req.plan_parts = None
-    req.window_lo = {}
-    req.hit = h
-    req.committed = h
-    req.scheduled = end
-    req.processed = {
-        gid: h // geo.groups[gid].page_size * geo.groups[gid].page_size for gid in tables
-    }
-    req.published_states = {g.group_id: [] for g in geo.groups if not g.is_attention}
-    req.dense_from = req.chain.num_units * geo.hash_unit
-    # 3. saves, best effort.
-    saves = _pop_saves(mgr, req, h, end)
-    plan = RequestPlan(
-        req.request_id,
-        h,
-        num_new,
-        extra,
-        {k: list(v) for k, v in tables.items()},
-        rec,
-        new_blocks,
-        copies,
-        [Save(g, c, b) for g, c, b, _, _ in saves],
-        hit=h,
-        is_admission=True,
-    )
-    return PlanRecord(req, plan, saves, copies, h, end)
+    return tables, new_blocks, copies, rec
 
 
+# ---------------------------------------------------------------------------- growth
 def grow(
-    mgr: KVCacheManager, req: RequestState, num_new: int, extra: int, free: int
+    geo: Geometry,
+    pool: BlockPool,
+    counters: Counter[str],
+    req: RequestState,
+    num_new: int,
+    extra: int,
+    free: int,
 ) -> PlanRecord | None:
     """Append fresh pages for [start, end + s) and plan this step's saves (9.6); None, with
     nothing changed, when the fresh pages exceed `free`."""
-    geo, pool = mgr.geo, mgr.pool
     start = req.scheduled
     end = start + num_new
     pages = growth_pages(geo, req, end, extra)
@@ -287,48 +202,43 @@ def grow(
         for g in geo.recurrent:
             slots = req.recurrent[g.group_id]  # live and scratch stay fixed while it runs
             rec[g.group_id] = RecurrentSlot(slots.live, tuple(slots.scratch), "keep")
-        empty = {g.group_id: [] for g in geo.groups}
-        req.plan_parts = parts = ({k: list(v) for k, v in req.tables.items()}, rec, empty)
+        empty: dict[int, list[int]] = {g.group_id: [] for g in geo.groups}
+        req.plan_parts = parts = PlanParts({k: list(v) for k, v in req.tables.items()}, rec, empty)
         if new_blocks is not None:
             new_blocks = {**empty, **new_blocks}
     req.scheduled = end
-    saves = _pop_saves(mgr, req, start, end) if geo.recurrent else []
+    saves = _pop_saves(geo, pool, counters, req, start, end) if geo.recurrent else []
     plan = RequestPlan(
-        req.request_id,
-        start,
-        num_new,
-        extra,
-        parts[0],
-        parts[1],
-        parts[2] if new_blocks is None else new_blocks,
-        [],
-        [Save(g, c, b) for g, c, b, _, _ in saves] if saves else [],
+        request_id=req.request_id,
+        start=start,
+        num_new_tokens=num_new,
+        num_extra_slots=extra,
+        tables=parts.tables,
+        recurrent=parts.recurrent,
+        new_blocks=parts.new_blocks if new_blocks is None else new_blocks,
+        copies=[],
+        saves=[Save(s.gid, s.position, s.block_id) for s in saves] if saves else [],
     )
-    return PlanRecord(req, plan, saves, [], start, end)
+    return PlanRecord(req=req, plan=plan, saves=saves, copies=[], start=start, end=end)
 
 
 def _pop_saves(
-    mgr: KVCacheManager, req: RequestState, start: int, end: int
-) -> list[tuple[int, int, int, bool, bool]]:
-    geo, pool = mgr.geo, mgr.pool
-    if not geo.caching_enabled:
+    geo: Geometry, pool: BlockPool, counters: Counter[str], req: RequestState, start: int, end: int
+) -> list[PlannedSave]:
+    """Pop a block per save of the step, best effort: a save the pool cannot serve is skipped
+    (counted), never a reason to refuse the step."""
+    if not geo.caching_enabled or is_quiet_decode(geo, req, start, end):
         return []
-    u = geo.hash_unit
-    # A decode step within one unit: no rolling save, and (pages being multiples of u) no
-    # dense position; only a planned position in (start, end] could still be due.
-    if (
-        start > 0
-        and start >= len(req.tokens) - 1
-        and end // u == start // u
-        and not any(start < c <= end for planned in req.planned.values() for c in planned)
-    ):
-        return []
-    out: list[tuple[int, int, int, bool, bool]] = []
+    out: list[PlannedSave] = []
     for g in geo.recurrent:
-        add_dense(geo, mgr, req, g, start, end)
-        for c, why, planned in step_saves(geo, req, g, start, end, req.planned[g.group_id]):
-            if not len(pool.policy):
-                mgr.counters["saves_skipped"] += 1
+        gid = g.group_id
+        planned = req.planned[gid]
+        for c in dense_positions(geo, req, g, start, end, pool.index[gid]):
+            planned[c] = SavePurpose.DENSE
+        for c, why, is_planned in step_saves(geo, req, start, end, planned):
+            if not pool.num_free:
+                counters["saves_skipped"] += 1
                 continue
-            out.append((g.group_id, c, pool.pop(g.group_id), why == "rolling", planned))
+            rolling = why is SavePurpose.ROLLING
+            out.append(PlannedSave(gid, c, pool.pop(gid), rolling, is_planned))
     return out

@@ -15,24 +15,33 @@ Attention publication of one commit, page B = 64, u = 16, processed boundary d, 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
-from kvreuse.core.allocate import PlanRecord
-from kvreuse.core.pool import NULL
+from kvreuse.core.config import Geometry
+from kvreuse.core.ledger import PlannedSave, PlanRecord
+from kvreuse.core.pool import NULL, BlockPool
 from kvreuse.core.request import MAX_TOKEN, Phase, RequestState, check_tokens
+from kvreuse.core.savepoints import finish_point, rolling_range
 
-if TYPE_CHECKING:
-    from kvreuse.core.manager import KVCacheManager
+
+class Outcome(NamedTuple):
+    """What the engine reports for one request of a step (spec §10.1). A plain tuple
+    `(T′, new_token_ids)` or `(T′, new_token_ids, saved_positions)` is accepted as well."""
+
+    t_new: int  # T′: tokens whose KV (and states) are now valid
+    new_token_ids: list[int]
+    saved_positions: AbstractSet[int] | None = None  # None: every planned save was written
 
 
 # ---------------------------------------------------------------------------- validation
 _NO_SAVES: frozenset[int] = frozenset()
 
 
-def parse_outcome(rec: PlanRecord, outcome: Any) -> tuple[int, list[int], AbstractSet[int] | None]:
-    """Check one outcome against spec §10.1; returns (T′, new tokens, saved positions)."""
+def parse_outcome(rec: PlanRecord, outcome: Any) -> Outcome:
+    """Check one outcome against spec §10.1; returns it normalised."""
     req = rec.req
     rid = req.request_id
     if not isinstance(outcome, (tuple, list)) or len(outcome) not in (2, 3):
@@ -70,27 +79,24 @@ def parse_outcome(rec: PlanRecord, outcome: Any) -> tuple[int, list[int], Abstra
     saved: AbstractSet[int] | None = None
     if len(outcome) == 3 and outcome[2] is not None:
         if not outcome[2]:
-            return t_new, tokens, _NO_SAVES  # the engine wrote no state (the common decode)
+            return Outcome(t_new, tokens, _NO_SAVES)  # no state written (the common decode)
         saved = set(outcome[2])
-        mine = {c for _, c, _, _, _ in rec.saves}
+        mine = {s.position for s in rec.saves}
         if not saved <= mine:
             raise ValueError(
                 f"commit: saved_positions {sorted(saved - mine)} of {rid!r} are not saves of "
                 f"this step (planned: {sorted(mine)})"
             )
-    return t_new, tokens, saved
+    return Outcome(t_new, tokens, saved)
 
 
 # ---------------------------------------------------------------------------- commit
 def apply_commit(
-    mgr: KVCacheManager,
-    rec: PlanRecord,
-    t_new: int,
-    tokens: list[int],
-    saved: AbstractSet[int] | None,
+    geo: Geometry, pool: BlockPool, counters: Counter[str], rec: PlanRecord, outcome: Outcome
 ) -> None:
     """Steps 1–7 of spec §10.1 for one request."""
-    geo, pool, req = mgr.geo, mgr.pool, rec.req
+    req = rec.req
+    t_new, tokens = outcome.t_new, outcome.new_token_ids
     u = geo.hash_unit
     if tokens:
         req.tokens.extend(tokens)
@@ -100,36 +106,35 @@ def apply_commit(
     for c in rec.copies:  # 2. pending copy references (dst keeps its table reference)
         release += (c.src, c.dst)
     nu = req.chain.num_units * u
-    by_group: dict[int, list[tuple[int, int, bool, bool]]] = {}
-    for g, c, b, rolling, planned in rec.saves:  # most decode commits settle no save
-        by_group.setdefault(g, []).append((c, b, rolling, planned))
+    by_group: dict[int, list[PlannedSave]] = {}
+    for s in rec.saves:  # most decode commits settle no save
+        by_group.setdefault(s.gid, []).append(s)
     # Each step below is skipped, with the same result, when it has nothing to do: most
     # decode commits publish nothing, free nothing and settle no save.
     for g in geo.groups:
         gid = g.group_id
         if g.is_attention:
             if g.cacheable and geo.caching_enabled and min(t_new, nu) > req.processed[gid]:
-                _publish_attention(mgr, req, gid, min(t_new, nu))
+                _publish_attention(geo, pool, req, gid, min(t_new, nu))
             if g.kind != "full":
-                _window_free(mgr, req, gid, t_new, release)
+                _window_free(geo, req, gid, t_new, release)
         else:
             if gid in by_group:
-                _settle_saves(mgr, req, gid, by_group[gid], t_new, saved, nu, release)
+                _settle_saves(geo, pool, counters, req, by_group[gid], outcome, release)
             if req.recurrent[gid].held:
-                _keep_rolling(mgr, req, gid, t_new, release)
+                _keep_rolling(geo, req, gid, t_new, release)
     req.committed = t_new
     if release:
         pool.release(release)
 
 
-def _publish_attention(mgr: KVCacheManager, req: RequestState, gid: int, e: int) -> None:
+def _publish_attention(geo: Geometry, pool: BlockPool, req: RequestState, gid: int, e: int) -> None:
     """10.3: key every boundary in (d, E] on the request's own page; skip NULL and duplicates."""
-    pool = mgr.pool
-    u = mgr.geo.hash_unit
+    u = geo.hash_unit
     d = req.processed[gid]
     if e <= d:
         return
-    page = mgr.geo.groups[gid].page_size
+    page = geo.groups[gid].page_size
     done = pool.publish_run(gid, range(d + u, e + 1, u), req.chain.hashes, req.tables[gid], page)
     req.processed[gid] = e // u * u
     if done and pool.events.enabled:
@@ -144,34 +149,37 @@ def _publish_attention(mgr: KVCacheManager, req: RequestState, gid: int, e: int)
 
 
 def _settle_saves(
-    mgr: KVCacheManager,
+    geo: Geometry,
+    pool: BlockPool,
+    counters: Counter[str],
     req: RequestState,
-    gid: int,
-    saves: list[tuple[int, int, bool, bool]],
-    t_new: int,
-    saved: AbstractSet[int] | None,
-    nu: int,
+    saves: list[PlannedSave],
+    outcome: Outcome,
     release: list[int],
 ) -> None:
-    """10.1 step 3: publish valid planned saves, hold valid rolling ones, drop the rest."""
+    """10.1 step 3, one group: publish valid planned saves, hold valid rolling ones, release
+    the rest (into `release`)."""
     if not saves:
         return
-    pool, counters = mgr.pool, mgr.counters
-    M = mgr.geo.groups[gid].page_size
+    gid = saves[0].gid
+    t_new, saved = outcome.t_new, outcome.saved_positions
+    u = geo.hash_unit
+    nu = req.chain.num_units * u
+    M = geo.groups[gid].page_size
     held = req.recurrent[gid].held
     hashes = req.chain.hashes
     run: list[int] = []
     dropped: list[int] = []
-    for c, blk, rolling, planned in sorted(saves):
+    for _, c, blk, rolling, planned in sorted(saves):
         valid = c <= t_new and (saved is None or c in saved)
         published = False
         if valid and planned and c <= nu:
-            published = pool.publish(gid, c, hashes[c // mgr.geo.hash_unit], blk)
+            published = pool.publish(gid, c, hashes[c // u], blk)
         if published:
             req.published_states[gid].append(c)
             counters["saves_published"] += 1
             if run and (c - 1) // M * M != run[-1]:
-                _flush(mgr, req, gid, run)
+                _flush(pool, req, gid, run)
             run.append(c)
         if valid and rolling:
             held[c] = blk  # the pending reference becomes the held reference
@@ -181,29 +189,22 @@ def _settle_saves(
             dropped.append(blk)
             if not published:
                 counters["saves_discarded"] += 1
-    _flush(mgr, req, gid, run)
+    _flush(pool, req, gid, run)
     release.extend(dropped)
 
 
-def _flush(mgr: KVCacheManager, req: RequestState, gid: int, run: list[int]) -> None:
-    if run and mgr.pool.events.enabled:
-        mgr.pool.events.stored(req, gid, list(run))
+def _flush(pool: BlockPool, req: RequestState, gid: int, run: list[int]) -> None:
+    if run and pool.events.enabled:
+        pool.events.stored(req, gid, list(run))
     run.clear()
 
 
-def finish_point(mgr: KVCacheManager, req: RequestState, t: int) -> int:
-    """φ(T) of spec §10.4."""
-    u = mgr.geo.hash_unit
-    phi = min(t // u, req.chain.num_units) * u
-    return phi - u if mgr.geo.spec_mode == "drop" else phi
-
-
 def _keep_rolling(
-    mgr: KVCacheManager, req: RequestState, gid: int, t_new: int, release: list[int]
+    geo: Geometry, req: RequestState, gid: int, t_new: int, release: list[int]
 ) -> None:
     """Keep held rolling states in [φ(T′), ⌊T′/u⌋·u]; release the others, newest first."""
     held = req.recurrent[gid].held
-    lo, hi = finish_point(mgr, req, t_new), t_new // mgr.geo.hash_unit * mgr.geo.hash_unit
+    lo, hi = rolling_range(geo, req.chain.num_units, t_new)
     if lo <= min(held) and max(held) <= hi:
         return  # most decode commits: the held states are still the ones to keep
     for c in sorted(held, reverse=True):
@@ -212,14 +213,17 @@ def _keep_rolling(
 
 
 def _window_free(
-    mgr: KVCacheManager, req: RequestState, gid: int, t_new: int, release: list[int]
+    geo: Geometry, req: RequestState, gid: int, t_new: int, release: list[int]
 ) -> None:
     """10.5: sliding and chunked groups drop pages no later token can attend to."""
-    g = mgr.geo.groups[gid]
-    if g.kind == "full":
-        return
+    g = geo.groups[gid]
     B = g.page_size
-    limit = t_new - g.window + 1 if g.kind == "sliding" else t_new // g.chunk * g.chunk
+    if g.kind == "sliding":
+        assert g.window is not None
+        limit = t_new - g.window + 1
+    else:
+        assert g.chunk is not None
+        limit = t_new // g.chunk * g.chunk
     row = req.tables[gid]
     top = min(limit // B, len(row))
     lo = req.window_lo.get(gid, 0)
@@ -241,16 +245,20 @@ def pending_refs(rec: PlanRecord) -> tuple[dict[int, list[int]], dict[int, list[
     for c in rec.copies:
         copies.setdefault(c.group_id, []).extend((c.dst, c.src))
     saves: dict[int, list[int]] = {}
-    for g, _, blk, _, _ in sorted(rec.saves):
-        saves.setdefault(g, []).append(blk)
+    for s in sorted(rec.saves):
+        saves.setdefault(s.gid, []).append(s.block_id)
     return copies, saves
 
 
 def release_request(
-    mgr: KVCacheManager, req: RequestState, dropped: Iterable[PlanRecord], then: str
+    geo: Geometry,
+    pool: BlockPool,
+    counters: Counter[str],
+    req: RequestState,
+    dropped: Iterable[PlanRecord],
 ) -> None:
-    """Spec §11.5 steps 2–4: publish φ(T), release every slot in one batch, forget or requeue."""
-    geo, pool = mgr.geo, mgr.pool
+    """Spec §11.5 steps 2–3: publish φ(T), release every slot of the request and every pending
+    reference of its dropped plans in one batch. The caller settles the phase and the ledger."""
     order: list[int] = []
     copies: dict[int, list[int]] = {}
     saves: dict[int, list[int]] = {}
@@ -260,9 +268,9 @@ def release_request(
             copies.setdefault(g, []).extend(blocks)
         for g, blocks in s.items():
             saves.setdefault(g, []).extend(blocks)
-        mgr.counters["saves_discarded"] += len(rec.saves)
+        counters["saves_discarded"] += len(rec.saves)
     if req.phase is Phase.RUNNING and geo.caching_enabled:
-        _publish_finish_state(mgr, req)
+        _publish_finish_state(geo, pool, counters, req)
     for g in geo.groups:
         gid = g.group_id
         if g.is_attention:
@@ -281,30 +289,29 @@ def release_request(
     req.plan_parts = None
     req.processed, req.published_states = {}, {}
     req.committed = req.scheduled = req.hit = 0
-    req.open_plan = None
-    req.inflight = []
-    req.parked = []
-    req.deferred = None
-    req.phase = Phase.FINISHED if then == "finish" else Phase.WAITING
 
 
-def _publish_finish_state(mgr: KVCacheManager, req: RequestState) -> None:
-    phi = finish_point(mgr, req, req.committed)
+def _publish_finish_state(
+    geo: Geometry, pool: BlockPool, counters: Counter[str], req: RequestState
+) -> None:
+    """A finishing request publishes its held state at φ(T), the end of its last full unit
+    (one unit earlier in drop mode), so a resend of the same conversation can resume there."""
+    phi = finish_point(geo, req.chain.num_units, req.committed)
     if phi <= 0:
         return
     for gid, slots in req.recurrent.items():
         blk = slots.held.get(phi)
         if blk is None:
             continue
-        if mgr.pool.publish(gid, phi, req.chain.hashes[phi // mgr.geo.hash_unit], blk):
-            mgr.counters["saves_published"] += 1
-            if mgr.pool.events.enabled:
-                mgr.pool.events.stored(req, gid, [phi])
+        if pool.publish(gid, phi, req.chain.hashes[phi // geo.hash_unit], blk):
+            counters["saves_published"] += 1
+            if pool.events.enabled:
+                pool.events.stored(req, gid, [phi])
 
 
 def settle_outcomes(
     recs: Sequence[PlanRecord], outcomes: Mapping[str, Any]
-) -> list[tuple[PlanRecord, tuple[int, list[int], AbstractSet[int] | None]]]:
+) -> list[tuple[PlanRecord, Outcome]]:
     """Validate every outcome of a step before changing anything (10.1)."""
     live = {r.req.request_id: r for r in recs if not r.withdrawn and r.req.deferred is None}
     known = {r.req.request_id for r in recs}

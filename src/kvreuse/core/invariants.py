@@ -8,29 +8,31 @@ caused it, not thousands of operations later.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from collections.abc import Collection
 
-from kvreuse.core.commit import finish_point
+from kvreuse.core.config import Geometry
 from kvreuse.core.errors import InvariantError
-from kvreuse.core.pool import NULL
-from kvreuse.core.request import Phase
-
-if TYPE_CHECKING:
-    from kvreuse.core.manager import KVCacheManager
+from kvreuse.core.ledger import StepLedger
+from kvreuse.core.pool import NULL, BlockPool
+from kvreuse.core.request import Phase, RequestState
+from kvreuse.core.savepoints import rolling_range
 
 
 def _fail(code: str, msg: str) -> None:
     raise InvariantError(f"{code}: {msg}")
 
 
-def check_invariants(mgr: KVCacheManager) -> None:
-    pool = mgr.pool
+def audit(
+    geo: Geometry, pool: BlockPool, requests: Collection[RequestState], ledger: StepLedger
+) -> None:
+    """Recount every reference and key from the requests, the ledger and the pool; raise
+    InvariantError naming the first broken invariant (I1–I13)."""
     n = pool.num_blocks
     refs: Counter[int] = Counter()
     holders: dict[int, set[int]] = {}  # block -> groups of the tables holding it
     table_holders: Counter[tuple[int, int]] = Counter()  # (group, block) -> number of tables
     unkeyed_required: set[int] = set()
-    for st in mgr.requests.values():
+    for st in requests:
         for gid, row in st.tables.items():
             for j, b in enumerate(row):
                 if b == NULL:
@@ -38,7 +40,7 @@ def check_invariants(mgr: KVCacheManager) -> None:
                 refs[b] += 1
                 holders.setdefault(b, set()).add(gid)
                 table_holders[(gid, b)] += 1
-                _check_position(mgr, gid, j, b)
+                _check_position(geo, pool, gid, j, b)
         for gid, slots in st.recurrent.items():
             for b in (slots.live, *slots.scratch):
                 refs[b] += 1
@@ -47,9 +49,8 @@ def check_invariants(mgr: KVCacheManager) -> None:
             for b in slots.held.values():
                 refs[b] += 1
                 holders.setdefault(b, set()).add(gid)
-    recs = list(mgr._open) + [r for recs in mgr._sealed.values() for r in recs]
-    parked = [r for st in mgr.requests.values() for r in st.parked]
-    for rec in recs + parked:
+    parked = ledger.parked()
+    for rec in ledger.records() + parked:
         if rec.withdrawn and rec not in parked:
             continue  # released already with its request
         for c in rec.copies:
@@ -57,12 +58,12 @@ def check_invariants(mgr: KVCacheManager) -> None:
             refs[c.dst] += 1
             if c.src == NULL or c.dst == NULL:
                 _fail("I2", f"a copy names the null block: {c}")
-        for g, pos, b, _, _ in rec.saves:
-            refs[b] += 1
-            if b == NULL:
+        for s in rec.saves:
+            refs[s.block_id] += 1
+            if s.block_id == NULL:
                 _fail("I2", "a save names the null block")
-            if pool.has_keys(b):
-                _fail("I8", f"save target {b} (group {g}, position {pos}) carries a key")
+            if pool.has_keys(s.block_id):
+                _fail("I8", f"save target {s.block_id} ({s}) carries a key")
         for c in rec.copies:
             if pool.has_keys(c.dst):
                 _fail("I8", f"copy destination {c.dst} carries a key")
@@ -82,8 +83,8 @@ def check_invariants(mgr: KVCacheManager) -> None:
     for b in unkeyed_required:
         if pool.has_keys(b):
             _fail("I8", f"live/scratch block {b} carries a key")
-    _check_index(mgr, holders, table_holders)
-    _check_requests(mgr)
+    _check_index(geo, pool, holders, table_holders)
+    _check_requests(geo, pool, requests)
     ghost = pool.ghost
     if len(ghost) > pool.ghost_capacity:
         _fail("I12", f"ghost holds {len(ghost)} > capacity {pool.ghost_capacity}")
@@ -92,21 +93,22 @@ def check_invariants(mgr: KVCacheManager) -> None:
             _fail("I12", f"a key of group {g} is both in the index and the ghost record")
 
 
-def _check_position(mgr: KVCacheManager, gid: int, j: int, b: int) -> None:
-    g = mgr.geo.groups[gid]
-    B = g.page_size
-    bounds = [bd for bd, _ in mgr.pool.key_list(b)]
+def _check_position(geo: Geometry, pool: BlockPool, gid: int, j: int, b: int) -> None:
+    B = geo.groups[gid].page_size
+    bounds = [bd for bd, _ in pool.key_list(b)]
     if len(set(bounds)) != len(bounds):
         _fail("I6", f"block {b} carries a boundary twice: {bounds}")
     for bd in bounds:
-        if not (j * B < bd <= (j + 1) * B and bd % mgr.geo.hash_unit == 0):
+        if not (j * B < bd <= (j + 1) * B and bd % geo.hash_unit == 0):
             _fail("I6", f"block {b} at page {j} of group {gid} carries boundary {bd}")
 
 
 def _check_index(
-    mgr: KVCacheManager, holders: dict[int, set[int]], table_holders: Counter[tuple[int, int]]
+    geo: Geometry,
+    pool: BlockPool,
+    holders: dict[int, set[int]],
+    table_holders: Counter[tuple[int, int]],
 ) -> None:
-    pool, geo = mgr.pool, mgr.geo
     u = geo.hash_unit
     seen = 0
     for b in range(1, pool.num_blocks):
@@ -139,10 +141,9 @@ def _check_index(
                 _fail("I9", f"block {b} is shared by {count} tables without its full key")
 
 
-def _check_requests(mgr: KVCacheManager) -> None:
-    geo, pool = mgr.geo, mgr.pool
+def _check_requests(geo: Geometry, pool: BlockPool, requests: Collection[RequestState]) -> None:
     u = geo.hash_unit
-    for st in mgr.requests.values():
+    for st in requests:
         if st.phase is not Phase.RUNNING:
             if st.tables or st.recurrent:
                 _fail("I3", f"waiting request {st.request_id} holds blocks")
@@ -174,14 +175,10 @@ def _check_requests(mgr: KVCacheManager) -> None:
             for c in states:
                 if c > limit:
                     _fail("I13", f"{st.request_id} published a state at {c} above {limit}")
-        phi = finish_point(mgr, st, st.committed)
+        lo, hi = rolling_range(geo, st.chain.num_units, st.committed)
         for gid, slots in st.recurrent.items():
             if len(slots.held) > geo.kappa + 1:
                 _fail("I11", f"{st.request_id} holds {len(slots.held)} states in group {gid}")
             for c in slots.held:
-                if not phi <= c <= st.committed // u * u:
-                    _fail(
-                        "I11",
-                        f"{st.request_id} holds a state at {c} outside "
-                        f"[{phi}, {st.committed // u * u}]",
-                    )
+                if not lo <= c <= hi:
+                    _fail("I11", f"{st.request_id} holds a state at {c} outside [{lo}, {hi}]")

@@ -1,30 +1,67 @@
 """Lookup (spec §7): per-kind acceptance rules, the coordinator's fixed point, reasons, slots.
 
-Every group answers one question, "do you accept a hit of x tokens?", over the candidates
-X = {0, u, 2u, …, top}. The hit is the largest x all prefix-cacheable groups accept:
-
-    full       x ≤ F_g                 (covering rule: an entry at b ≥ x in page p(x) proves x)
-    sliding    pages of [x−W+1, x) have full keys, page p(x) has an entry at b ≥ x
-    chunked    like sliding over [⌊x/C⌋·C, x); a chunk start needs nothing
-    recurrent  a state at exactly x
-
+Every group answers one question, "do you accept a hit of x tokens?" (`acceptance`), over the
+candidates X = {0, u, 2u, …, top}. The hit is the largest x all prefix-cacheable groups accept.
 Bounds (12.3) are computed as a chain of restricted fixed points, each started from the
 previous bound, which is valid because every later bound is at most the earlier one.
+
+The rules read the cache only through `IndexView` (per group, chain hash → block id, and whether
+an evicted key is remembered), so they run unchanged on the manager's pool or on a mirror of
+another replica's cache built from its events.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import compress
+from enum import StrEnum
+from typing import Protocol
 
-from kvreuse.core.config import Geometry, GroupGeometry
-from kvreuse.core.pool import NULL, BlockPool
-from kvreuse.core.request import RequestState
+from kvreuse.core.acceptance import Probe, needed_from
+from kvreuse.core.config import Geometry
+from kvreuse.core.pool import NULL
 
 
-@dataclass(frozen=True, slots=True)
+class Reason(StrEnum):
+    """Why a lookup stopped where it did (spec §12.3), in the order they are decided."""
+
+    DISABLED = "disabled"  # prefix caching is off
+    SKIP_READ = "skip_read"  # the request asked not to read the cache
+    BELOW_UNIT = "below_unit"  # the prompt has no complete unit before its last token
+    CAP_REACHED = "cap_reached"  # everything that may be reused is reused
+    RECURRENT_LIMITED = "recurrent_limited"  # a recurrent group has no state far enough
+    WINDOW_LIMITED = "window_limited"  # a sliding / chunked window is not covered
+    SPEC_DECODE_REWIND = "spec_decode_rewind"  # the drafter's margin (drop mode)
+    EVICTED = "evicted"  # the next entry was in the cache and has been evicted
+    NO_ENTRY = "no_entry"  # the next entry was never published
+
+
+class IndexView(Protocol):
+    """What the lookup rules read: the index of each group and the ghost record."""
+
+    @property
+    def index(self) -> Sequence[Mapping[bytes, int]]:
+        """Per group id: chain hash → block id of every resident entry."""
+        ...
+
+    def in_ghost(self, group_id: int, key: bytes) -> bool:
+        """Whether `key` was evicted from the group and is still remembered (for reasons)."""
+        ...
+
+
+class ChainView(Protocol):
+    """What the lookup rules read of a request's hash chain (a `Chain` is one)."""
+
+    @property
+    def hashes(self) -> list[bytes]:
+        """H[0] … H[n]: H[k] names the prefix [0, k·u) and its extra keys."""
+        ...
+
+    @property
+    def num_units(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LookupResult:
     """What a lookup found (spec §7.8). Pure: computing it changed nothing."""
 
@@ -34,7 +71,7 @@ class LookupResult:
     top: int
     n: int
     epoch: int
-    reason: str
+    reason: Reason
     junction: int | None
     bounds: tuple[int, int, int, int]
     slots: Mapping[int, list[int]] = field(default_factory=dict)
@@ -72,133 +109,7 @@ class LookupResult:
         return "\n".join(lines)
 
 
-def _full_run(keys: Container[bytes], hashes: list[bytes], step: int, num_pages: int) -> int:
-    """The number of leading pages whose full key is in `keys`.
-
-    Probed in C (`map` over a strided slice) in chunks that grow ×4, so a long hit costs a few
-    C loops and a miss on the first page costs one small one.
-    """
-    contains = keys.__contains__
-    run, chunk = 0, 64
-    while run < num_pages:
-        stop = min(run + chunk, num_pages)
-        flags = list(map(contains, hashes[(run + 1) * step : stop * step + 1 : step]))
-        if not all(flags):
-            return run + flags.index(False)
-        run, chunk = stop, chunk * 4
-    return run
-
-
-class _Probe:
-    """Acceptance of one group for one request over one key set (index, maybe plus pending)."""
-
-    __slots__ = ("F", "_present", "flags", "full", "g", "has", "hashes", "keys", "nu", "u")
-
-    def __init__(
-        self, g: GroupGeometry, keys: Container[bytes], hashes: list[bytes], u: int, nu: int
-    ) -> None:
-        self.g, self.u, self.nu = g, u, nu
-        self.keys, self.hashes = keys, hashes
-        self._present: list[int] | None = None  # recurrent: units with a state, built on demand
-
-        def has(b: int) -> bool:
-            return 0 < b <= nu and hashes[b // u] in keys
-
-        self.has: Callable[[int], bool] = has
-        self.F = 0
-        B = g.page_size
-        if g.kind == "full":
-            step = B // u
-            q_end = _full_run(keys, hashes, step, nu // B) * step  # units of the last full page
-            self.F = q_end * u
-            for b in range(min(q_end * u + B, nu), q_end * u, -u):  # page q, highest first
-                if hashes[b // u] in keys:
-                    self.F = b
-                    break
-        elif g.kind != "recurrent":
-            # Sliding / chunked: one membership flag per boundary, probed in C.
-            #   flags[k - 1]  <=>  the boundary k·u has an entry
-            #   full[j]       <=>  page j's last boundary (j + 1)·B has one (page j complete)
-            self.flags = list(map(keys.__contains__, hashes[1 : nu // u + 1]))
-            self.full = self.flags[B // u - 1 :: B // u]
-
-    def ok(self, x: int) -> bool:
-        if x == 0:
-            return True
-        g = self.g
-        kind = g.kind
-        if kind == "full":
-            return x <= self.F
-        if kind == "recurrent":
-            return self.has(x)
-        lo = max(0, x - g.window + 1) if kind == "sliding" else x // g.chunk * g.chunk
-        if kind == "chunked" and lo == x:
-            return True
-        B, u = g.page_size, self.u
-        p = (x - 1) // B
-        if x > self.nu:
-            return False
-        # x's own page holds an entry at some boundary in [x, end of the page]
-        if not any(self.flags[-(-x // u) - 1 : min((p + 1) * B, self.nu) // u]):
-            return False
-        need = p - lo // B  # complete pages below x's page that the window still covers
-        return need == 0 or (p >= need and all(self.full[p - need : p]))
-
-    def accepts(self, x: int, margin: bool) -> bool:
-        if margin and x > 0:
-            # Drop-mode margin (7.6). For sliding/chunked drafters we also require x itself:
-            # unlike full attention they are not downward-closed (docs/decisions.md, D2).
-            return x + self.u <= self.nu and self.ok(x + self.u) and self.ok(x)
-        return self.ok(x)
-
-    def largest(self, c: int, margin: bool) -> int:
-        """m_g(c): the largest candidate ≤ c this group accepts."""
-        if self.g.kind == "full":
-            return min(c, max(0, self.F - self.u)) if margin else min(c, self.F)
-        if not margin and c % self.u == 0:
-            if self.g.kind == "recurrent":
-                return self._largest_state(c)
-            if self.g.kind == "sliding":
-                return self._largest_window(c)
-        x = c
-        while x > 0 and not self.accepts(x, margin):
-            x -= self.u
-        return x
-
-    def _largest_window(self, c: int) -> int:
-        """m_g(c) for a sliding group, a page at a time instead of a unit at a time.
-
-        Within x's page, ok(x) needs an entry at some boundary in [x, page end] and complete
-        pages back to the window's start. The best x ≤ c of page p is min(c, top entry of p);
-        if the window test fails there it fails for every lower x of that page too (a lower x
-        reaches further back), so the search moves on to page p − 1.
-        """
-        B, u, flags = self.g.page_size, self.u, self.flags
-        x = min(c, self.nu)
-        while x > 0:
-            p = (x - 1) // B
-            first = p * B // u  # flags[first:] are the boundaries of page p
-            seg = flags[first : min((p + 1) * B, self.nu) // u]
-            if True in seg:
-                top = (first + len(seg) - seg[::-1].index(True)) * u
-                y = min(x, top)
-                if self.ok(y):
-                    return y
-            x = p * B
-        return 0
-
-    def _largest_state(self, c: int) -> int:
-        """The largest x ≤ c with a state in `keys`, by bisection over the units that have one
-        (found once per probe, in C), instead of a descent of one unit per step."""
-        if self._present is None:
-            n = self.nu // self.u
-            flags = map(self.keys.__contains__, self.hashes[1 : n + 1])
-            self._present = list(compress(range(1, n + 1), flags))
-        i = bisect_right(self._present, c // self.u)
-        return self._present[i - 1] * self.u if i else 0
-
-
-def _fixed_point(probes: list[tuple[_Probe, bool]], start: int) -> int:
+def _fixed_point(probes: list[tuple[Probe, bool]], start: int) -> int:
     x = start
     changed = True
     while changed and x > 0:
@@ -210,7 +121,7 @@ def _fixed_point(probes: list[tuple[_Probe, bool]], start: int) -> int:
     return x
 
 
-def _bounds(geo: Geometry, probes: dict[int, _Probe], top: int) -> tuple[int, int, int, int]:
+def _bounds(geo: Geometry, probes: dict[int, Probe], top: int) -> tuple[int, int, int, int]:
     if geo.only_full:  # full attention is downward-closed: the fixed point is min(top, F_g)
         a = min(top, *(p.F for p in probes.values()))
         return a, a, a, a
@@ -226,34 +137,33 @@ def _bounds(geo: Geometry, probes: dict[int, _Probe], top: int) -> tuple[int, in
 
 def _reason(
     geo: Geometry,
-    pool: BlockPool,
-    req: RequestState,
-    probes: dict[int, _Probe],
+    index: IndexView,
+    hashes: list[bytes],
+    probes: dict[int, Probe],
     top: int,
     bounds: tuple[int, int, int, int],
-) -> str:
+) -> Reason:
     a1, a2, a3, a4 = bounds
     if top == 0:
-        return "below_unit"
+        return Reason.BELOW_UNIT
     if a4 == top:
-        return "cap_reached"
+        return Reason.CAP_REACHED
     if a4 < a3:
-        return "recurrent_limited"
+        return Reason.RECURRENT_LIMITED
     if a3 < a2:
-        return "window_limited"
+        return Reason.WINDOW_LIMITED
     if a2 < a1:
-        return "spec_decode_rewind"
+        return Reason.SPEC_DECODE_REWIND
     full = [p for p in probes.values() if p.g.kind == "full"]
     star = min(full, key=lambda p: (min(top, p.F), p.g.group_id))
     u, nu, B = geo.hash_unit, star.nu, star.g.page_size
     x1 = a1 + u
     p1 = (x1 - 1) // B
-    hashes = req.chain.hashes
     gid = star.g.group_id
     for b in range(x1, min((p1 + 1) * B, nu) + 1, u):
-        if pool.in_ghost(gid, hashes[b // u]):
-            return "evicted"
-    return "no_entry"
+        if index.in_ghost(gid, hashes[b // u]):
+            return Reason.EVICTED
+    return Reason.NO_ENTRY
 
 
 class _Union:
@@ -269,83 +179,88 @@ class _Union:
 
 
 def _probes(
-    geo: Geometry, keysets: list[Container[bytes]], req: RequestState, nu: int
-) -> dict[int, _Probe]:
-    hashes = req.chain.hashes
+    geo: Geometry, keysets: Sequence[Container[bytes]], hashes: list[bytes], nu: int
+) -> dict[int, Probe]:
     u = geo.hash_unit
-    return {g.group_id: _Probe(g, keysets[g.group_id], hashes, u, nu) for g in geo.cacheable}
+    return {g.group_id: Probe(g, keysets[g.group_id], hashes, u, nu) for g in geo.cacheable}
 
 
 def compute_lookup(
-    geo: Geometry, pool: BlockPool, req: RequestState, pending: list[set[bytes]] | None, epoch: int
+    geo: Geometry,
+    index: IndexView,
+    request_id: str,
+    chain: ChainView,
+    num_tokens: int,
+    *,
+    skip_read: bool = False,
+    pending: Sequence[set[bytes]] | None = None,
+    epoch: int = 0,
 ) -> LookupResult:
-    """The lookup of spec §7 for a request that is not running."""
+    """The lookup of spec §7 for a request of `num_tokens` tokens that is not running.
+
+    `pending` holds, per group, the keys uncommitted plans would publish (for `pending_hit`).
+    """
     u = geo.hash_unit
-    n = req.chain.num_units
+    n = chain.num_units
     nu = n * u
-    top = min(len(req.tokens) - 1, nu) // u * u
-    rid = req.request_id
-    if not geo.caching_enabled or req.skip_read:
-        reason = "disabled" if not geo.caching_enabled else "skip_read"
-        return LookupResult(rid, 0, 0, top, n, epoch, reason, None, (0, 0, 0, 0))
-    probes = _probes(geo, pool.index, req, nu)
+    top = min(num_tokens - 1, nu) // u * u
+    if not geo.caching_enabled or skip_read:
+        reason = Reason.DISABLED if not geo.caching_enabled else Reason.SKIP_READ
+        return LookupResult(
+            request_id=request_id,
+            hit=0,
+            pending_hit=0,
+            top=top,
+            n=n,
+            epoch=epoch,
+            reason=reason,
+            junction=None,
+            bounds=(0, 0, 0, 0),
+        )
+    hashes = chain.hashes
+    keysets = index.index
+    probes = _probes(geo, keysets, hashes, nu)
     bounds = _bounds(geo, probes, top)
     hit = bounds[3]
     junction = bounds[2] if geo.has_junction and bounds[2] > hit else None
-    reason = _reason(geo, pool, req, probes, top, bounds)
+    reason = _reason(geo, index, hashes, probes, top, bounds)
     pending_bounds = bounds
-    hashes = req.chain.hashes
     if pending is not None and not all(
         pending[g.group_id].isdisjoint(hashes) for g in geo.cacheable
     ):  # only this request's own keys are ever probed: with none pending, pending_hit = hit
-        merged: list[Container[bytes]] = [
-            _Union(idx, pend) for idx, pend in zip(pool.index, pending, strict=True)
-        ]
-        pending_bounds = _bounds(geo, _probes(geo, merged, req, nu), top)
-    slots, copy_src, state_src = _slots(geo, pool, req, hit, nu)
+        merged = [_Union(idx, pend) for idx, pend in zip(keysets, pending, strict=True)]
+        pending_bounds = _bounds(geo, _probes(geo, merged, hashes, nu), top)
+    slots, copy_src, state_src = _slots(geo, keysets, hashes, hit, nu)
     limits = {
         gid: p.largest(top, geo.spec_mode == "drop" and p.g.is_draft) for gid, p in probes.items()
     }
     return LookupResult(
-        rid,
-        hit,
-        pending_bounds[3],
-        top,
-        n,
-        epoch,
-        reason,
-        junction,
-        bounds,
-        slots,
-        copy_src,
-        state_src,
-        limits,
-        pending_bounds,
+        request_id=request_id,
+        hit=hit,
+        pending_hit=pending_bounds[3],
+        top=top,
+        n=n,
+        epoch=epoch,
+        reason=reason,
+        junction=junction,
+        bounds=bounds,
+        slots=slots,
+        copy_src=copy_src,
+        state_src=state_src,
+        group_limits=limits,
+        pending_bounds=pending_bounds,
     )
 
 
-def needed_from(g: GroupGeometry, hit: int) -> int:
-    """First page of an attention group that a request resuming at `hit` needs (7.8)."""
-    if not g.cacheable or hit == 0:
-        return -(-hit // g.page_size)
-    if g.kind == "sliding":
-        return max(0, hit - g.window + 1) // g.page_size
-    if g.kind == "chunked":
-        lo = hit // g.chunk * g.chunk
-        return -(-hit // g.page_size) if lo == hit else lo // g.page_size
-    return 0
-
-
 def _slots(
-    geo: Geometry, pool: BlockPool, req: RequestState, hit: int, nu: int
+    geo: Geometry, keysets: Sequence[Mapping[bytes, int]], hashes: list[bytes], hit: int, nu: int
 ) -> tuple[dict[int, list[int]], dict[int, int | None], dict[int, int | None]]:
     u = geo.hash_unit
-    hashes = req.chain.hashes
     slots: dict[int, list[int]] = {}
     copy_src: dict[int, int | None] = {}
     state_src: dict[int, int | None] = {}
     for g in geo.cacheable:
-        idx = pool.index[g.group_id]
+        idx = keysets[g.group_id]
         if g.kind == "recurrent":
             state_src[g.group_id] = idx[hashes[hit // u]] if hit else None
             continue

@@ -16,31 +16,35 @@ from typing import Any
 
 from kvreuse.core import commit as _commit
 from kvreuse.core.allocate import (
-    PlanRecord,
     admission_required,
     admit,
     grow,
     growth_required,
     hit_blocks,
-    planned_positions,
-    replay_point,
 )
 from kvreuse.core.config import CacheConfig
 from kvreuse.core.errors import StaleLookupError, UnknownRequestError
 from kvreuse.core.events import Event, EventLog
 from kvreuse.core.hashing import Hasher
+from kvreuse.core.invariants import audit
+from kvreuse.core.ledger import PlanRecord, StepFate, StepLedger
 from kvreuse.core.lookup import LookupResult, compute_lookup
 from kvreuse.core.metrics import RequestStats, count_admission, new_counters, snapshot
-from kvreuse.core.pending import PendingKeys
 from kvreuse.core.plan import RequestPlan, StepPlan
 from kvreuse.core.pool import BlockPool
-from kvreuse.core.request import Phase, Request, RequestState, new_request_state
+from kvreuse.core.request import Deferral, Phase, Request, RequestState, new_request_state
 from kvreuse.core.rules import check_allocate
-from kvreuse.core.views import describe, export_entries, export_ghost, save_positions
+from kvreuse.core.savepoints import planned_positions, replay_point, save_positions
+from kvreuse.core.views import describe, export_entries, export_ghost
 
 
 class KVCacheManager:
-    """Prefix-cache manager over one block pool shared by every group (spec §3)."""
+    """Prefix-cache manager over one block pool shared by every group (spec §3).
+
+    It owns the registered requests and the epoch, and delegates: blocks and keys to the
+    `BlockPool`, steps and in-flight plans to the `StepLedger`, the rules of lookup, allocation
+    and commit to their modules, each given only the owners it uses.
+    """
 
     def __init__(self, config: CacheConfig) -> None:
         if not isinstance(config, CacheConfig):
@@ -52,18 +56,13 @@ class KVCacheManager:
         self.hasher = Hasher(
             config.hash_algo, self.geo.hash_unit, self.geo.lookahead, config.hash_seed
         )
+        self.ledger = StepLedger(self.geo)
         self.requests: dict[str, RequestState] = {}
         self.counters = new_counters()
         self.reasons: Counter[str] = Counter()
         self.cow: Counter[str] = Counter()
         self.epoch = 0
-        self._open: list[PlanRecord] = []
-        self._sealed: OrderedDict[int, list[PlanRecord]] = OrderedDict()
-        self._next_step = 1
         self._finished: OrderedDict[str, RequestStats] = OrderedDict()
-        self._settled: OrderedDict[int, str] = OrderedDict()
-        self._num_plans = 0  # plans ever handed out by allocate
-        self._pending = PendingKeys()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: Request) -> None:
@@ -74,8 +73,7 @@ class KVCacheManager:
             raise ValueError(f"request {req.request_id!r} is already registered")
         st = new_request_state(req, self.hasher)
         self.requests[st.request_id] = st
-        rid = st.request_id
-        self._finished.pop(rid, None)
+        self._finished.pop(st.request_id, None)
 
     def _get(self, rid: str, op: str) -> RequestState:
         st = self.requests.get(rid)
@@ -92,13 +90,18 @@ class KVCacheManager:
             raise ValueError(
                 f"lookup: request {req_id!r} is running; only waiting requests look up"
             )
-        return compute_lookup(self.geo, self.pool, st, self._pending_keys(), self.epoch)
-
-    def _pending_keys(self) -> list[set[bytes]] | None:
-        """Keys uncommitted plans would publish (7.8), built only when such plans exist."""
-        if not self.geo.caching_enabled or not (self._open or self._sealed):
-            return None
-        return self._pending.union(self)
+        # Keys uncommitted plans would publish (7.8), built only when such plans exist.
+        pending = self.ledger.pending_keys() if self.geo.caching_enabled else None
+        return compute_lookup(
+            self.geo,
+            self.pool,
+            st.request_id,
+            st.chain,
+            len(st.tokens),
+            skip_read=st.skip_read,
+            pending=pending,
+            epoch=self.epoch,
+        )
 
     def _check_alloc(
         self, req_id: str, num_new_tokens: int, lookup: LookupResult | None, num_extra_slots: int
@@ -125,12 +128,9 @@ class KVCacheManager:
             lookup,
             num_extra_slots,
             self.epoch,
-            in_flight_ends=[r.end for r in self._records(st) if not r.withdrawn],
+            in_flight_ends=[r.end for r in self.ledger.records_of(st) if not r.withdrawn],
         )
         return st
-
-    def _records(self, st: RequestState) -> list[PlanRecord]:
-        return [r for sid in st.inflight for r in self._sealed[sid] if r.req is st]
 
     def blocks_needed(
         self,
@@ -143,8 +143,9 @@ class KVCacheManager:
         st = self._check_alloc(req_id, num_new_tokens, lookup, num_extra_slots)
         if st.phase is Phase.WAITING:
             assert lookup is not None
+            end = lookup.hit + num_new_tokens
             return admission_required(
-                self.geo, self, lookup, lookup.hit + num_new_tokens, num_extra_slots
+                self.geo, self.pool, lookup, end, num_extra_slots, hit_blocks(lookup)
             )
         return growth_required(self.geo, st, st.scheduled + num_new_tokens, num_extra_slots)
 
@@ -161,113 +162,74 @@ class KVCacheManager:
     ) -> RequestPlan | None:
         """Admit a waiting request or grow a running one; None (nothing changed) if it won't fit."""
         st = self._check_alloc(req_id, num_new_tokens, lookup, num_extra_slots)
-        free = self.pool.num_free
+        geo, pool = self.geo, self.pool
+        free = pool.num_free
+        rec: PlanRecord | None
         if st.phase is Phase.WAITING:
             assert lookup is not None
             hits = hit_blocks(lookup)  # counted and then adopted: computed once
-            need = admission_required(
-                self.geo, self, lookup, lookup.hit + num_new_tokens, num_extra_slots, hits
-            )
+            end = lookup.hit + num_new_tokens
+            need = admission_required(geo, pool, lookup, end, num_extra_slots, hits)
             if need > free - self.config.admission_watermark_blocks:
                 return None
-            rec = admit(self, st, lookup, num_new_tokens, num_extra_slots, hits)
+            rec = admit(geo, pool, self.counters, st, lookup, num_new_tokens, num_extra_slots, hits)
             count_admission(self.counters, self.reasons, st, lookup.hit, lookup.reason)
             st.phase = Phase.RUNNING
         else:
-            grown = grow(self, st, num_new_tokens, num_extra_slots, free)
-            if grown is None:
+            rec = grow(geo, pool, self.counters, st, num_new_tokens, num_extra_slots, free)
+            if rec is None:
                 return None
-            rec = grown
         for c in rec.copies:
-            self.cow[self.geo.groups[c.group_id].kind] += 1
-        st.open_plan = rec.plan
-        self._open.append(rec)
-        self._num_plans += 1  # with the epoch: PendingKeys sees that only a plan was added
+            self.cow[geo.groups[c.group_id].kind] += 1
+        self.ledger.add(rec)
         self.epoch += 1
         return rec.plan
 
     # ------------------------------------------------------------------ steps
     def seal_step(self) -> StepPlan:
         """Close the open step: its plans, in allocation order."""
-        recs, self._open = self._open, []
-        step_id = self._next_step
-        self._next_step += 1
+        step_id, recs = self.ledger.seal()
         plans = [r.plan for r in recs]
-        step = StepPlan(step_id, plans, [c for p in plans for c in p.copies])
-        if recs:
-            for r in recs:
-                r.step_id = step_id
-                r.req.open_plan = None
-                r.req.inflight.append(step_id)
-            self._sealed[step_id] = recs
-        else:
-            self._mark(step_id, "empty")
-        return step
-
-    def _check_step(self, step_id: int, op: str) -> bool:
-        """True for the oldest sealed step; False for an empty or settled one; else raise."""
-        if step_id in self._sealed:
-            first = next(iter(self._sealed))
-            if step_id != first:
-                raise ValueError(f"{op}: step {step_id} is out of order; settle step {first} first")
-            return True
-        state = self._settled.get(step_id)
-        if state == "empty":
-            return False
-        if state is not None:
-            raise ValueError(f"{op}: step {step_id} was already {state}")
-        raise ValueError(f"{op}: unknown step {step_id!r}")
-
-    def _mark(self, step_id: int, state: str) -> None:
-        self._settled[step_id] = state
-        while len(self._settled) > 4096:  # bounded: a long-running server seals many steps
-            self._settled.popitem(last=False)
+        return StepPlan(step_id, plans, [c for p in plans for c in p.copies])
 
     def commit(self, step_id: int, outcomes: Mapping[str, Any]) -> None:
         """The step's forward finished: publish what it computed (spec §10)."""
-        if not self._check_step(step_id, "commit"):
+        if not self.ledger.check(step_id, "commit"):
             return
-        parsed = _commit.settle_outcomes(self._sealed[step_id], outcomes)
-        recs = self._sealed.pop(step_id)
-        self._mark(step_id, "committed")
-        for rec, (t_new, tokens, saved) in parsed:
-            rec.req.inflight.remove(step_id)
-            _commit.apply_commit(self, rec, t_new, tokens, saved)
+        parsed = _commit.settle_outcomes(self.ledger.sealed(step_id), outcomes)
+        recs = self.ledger.settle(step_id, StepFate.COMMITTED)
+        for rec, outcome in parsed:
+            _commit.apply_commit(self.geo, self.pool, self.counters, rec, outcome)
             if not rec.req.inflight:
                 rec.req.scheduled = rec.req.committed
-        self._settle_deferred(recs, step_id, discard=False)
+        self._settle_deferred(recs, discard=False)
         self.epoch += 1
 
     def discard(self, step_id: int) -> None:
         """The step's forward failed: publish nothing; release (preempt) its requests."""
-        if not self._check_step(step_id, "discard"):
+        if not self.ledger.check(step_id, "discard"):
             return
-        recs = self._sealed.pop(step_id)
-        self._mark(step_id, "discarded")
-        self._settle_deferred(recs, step_id, discard=True)
+        recs = self.ledger.settle(step_id, StepFate.DISCARDED)
+        self._settle_deferred(recs, discard=True)
         self.epoch += 1
 
-    def _settle_deferred(self, recs: list[PlanRecord], step_id: int, discard: bool) -> None:
+    def _settle_deferred(self, recs: list[PlanRecord], discard: bool) -> None:
+        """Carry out the releases that waited for this step (every request of a discarded
+        one): the request's later records are withdrawn and released with it."""
         for rec in recs:
             st = rec.req
             if rec.withdrawn or (not discard and st.deferred is None):
                 continue
-            if step_id in st.inflight:
-                st.inflight.remove(step_id)
-            then = st.deferred or "preempt"
-            dropped = [rec, *self._withdraw_later(st), *st.parked]
-            self._release(st, dropped, then)
-
-    def _withdraw_later(self, st: RequestState) -> list[PlanRecord]:
-        later = self._records(st)
-        for r in later:
-            r.withdrawn = True
-        return later
+            then = st.deferred or Deferral.PREEMPT
+            later = self.ledger.withdraw_sealed(st)
+            self._release(st, [rec, *later, *self.ledger.parked_of(st)], then)
 
     # ------------------------------------------------------------------ release
-    def _release(self, st: RequestState, dropped: list[PlanRecord], then: str) -> None:
-        _commit.release_request(self, st, dropped, then)
-        if then == "finish":
+    def _release(self, st: RequestState, dropped: list[PlanRecord], then: Deferral) -> None:
+        _commit.release_request(self.geo, self.pool, self.counters, st, dropped)
+        self.ledger.forget(st)
+        st.phase = Phase.FINISHED if then is Deferral.FINISH else Phase.WAITING
+        if then is Deferral.FINISH:
             self._forget(st)
 
     def _forget(self, st: RequestState) -> None:
@@ -277,32 +239,16 @@ class KVCacheManager:
         while cap is not None and len(self._finished) > cap:
             self._finished.popitem(last=False)
 
-    def _withdraw_open(self, st: RequestState) -> list[PlanRecord]:
-        recs = [r for r in self._open if r.req is st]
-        self._open = [r for r in self._open if r.req is not st]
-        st.open_plan = None
-        return recs
-
-    def _defer(self, st: RequestState, what: str) -> None:
-        """10.6: the release waits for the first sealed step; nothing of it will publish, so
-        its plans stop counting towards pending_hit now (docs/decisions.md D4)."""
-        st.deferred = what
-        # A plan still in the open step is withdrawn now (10.6), so the engine never runs it;
-        # its references are released with the deferred release, in the same batch.
-        for rec in self._withdraw_open(st):
-            rec.withdrawn = True
-            st.parked.append(rec)
-        self.epoch += 1
-
     def finish(self, req_id: str) -> RequestStats:
         """Normal end or abort (spec §11.5); returns the request's final statistics."""
         st = self._get(req_id, "finish")
         if st.inflight:
-            if st.deferred != "finish":  # a repeated finish changes nothing
-                self._defer(st, "finish")
+            if st.deferred is not Deferral.FINISH:  # a repeated finish changes nothing
+                self.ledger.defer(st, Deferral.FINISH)
+                self.epoch += 1
             return self._stats(st)
         if st.phase is Phase.RUNNING:
-            self._release(st, self._withdraw_open(st), "finish")
+            self._release(st, self.ledger.withdraw_open(st), Deferral.FINISH)
         else:
             self._forget(st)
         self.epoch += 1
@@ -315,9 +261,10 @@ class KVCacheManager:
             raise ValueError(f"preempt: request {req_id!r} is not running")
         if st.inflight:
             if st.deferred is None:
-                self._defer(st, "preempt")
+                self.ledger.defer(st, Deferral.PREEMPT)
+                self.epoch += 1
             return
-        self._release(st, self._withdraw_open(st), "preempt")
+        self._release(st, self.ledger.withdraw_open(st), Deferral.PREEMPT)
         self.epoch += 1
 
     def reset(self) -> bool:
@@ -358,26 +305,32 @@ class KVCacheManager:
         return self.events.take(self.geo)
 
     def save_positions(self, req_id: str, lookup: LookupResult | None = None) -> list[int]:
+        """Positions where the request still wants a recurrent state (spec §9.4): a scheduler
+        ends prefill chunks there. A waiting request needs the lookup it will be admitted with."""
         st = self._get(req_id, "save_positions")
         if lookup is not None and (lookup.epoch != self.epoch or lookup.request_id != req_id):
             raise StaleLookupError(f"save_positions: stale lookup for {req_id!r}; look up again")
         if st.phase is Phase.WAITING:
             if lookup is None:
                 raise ValueError(f"save_positions: {req_id!r} is waiting; pass its LookupResult")
+            index, h, junction = self.pool.index, lookup.hit, lookup.junction
             planned = {
-                g.group_id: planned_positions(self.geo, self, st, g, lookup.hit, lookup.junction)
-                for g in self.geo.groups
-                if not g.is_attention
+                g.group_id: planned_positions(self.geo, st, g, h, junction, index[g.group_id])
+                for g in self.geo.recurrent
             }
-            return save_positions(self, st, planned, lookup.hit)
-        return save_positions(self, st, st.planned, st.scheduled)
+            return save_positions(self.geo, st, planned, lookup.hit)
+        return save_positions(self.geo, st, st.planned, st.scheduled)
 
     def next_save_position(self, req_id: str, lookup: LookupResult | None = None) -> int | None:
         positions = self.save_positions(req_id, lookup)
         return positions[0] if positions else None
 
     def describe(self, req_id: str | None = None) -> str:
-        return describe(self, None if req_id is None else self._get(req_id, "describe"))
+        if req_id is None:
+            return describe(self.geo, self.pool, self.metrics(), None, [])
+        st = self._get(req_id, "describe")
+        wanted = self.save_positions(req_id) if st.phase is Phase.RUNNING else []
+        return describe(self.geo, self.pool, self.metrics(), st, wanted)
 
     def export_entries(self) -> list[tuple[int, int, bytes, str, int]]:
         return export_entries(self.pool)
@@ -386,9 +339,8 @@ class KVCacheManager:
         return export_ghost(self.pool)
 
     def check_invariants(self) -> None:
-        from kvreuse.core.invariants import check_invariants
-
-        check_invariants(self)
+        """A from-scratch audit of spec §14 (slow); raises InvariantError naming the broken one."""
+        audit(self.geo, self.pool, self.requests.values(), self.ledger)
 
     def replay_point(self, prompt_len: int) -> int:
         """ρ(P) of this geometry (spec §8): the hit of an identical resend."""

@@ -5,14 +5,11 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import TYPE_CHECKING, Any
+from enum import StrEnum
+from typing import NamedTuple
 
-from kvreuse.core.hashing import TOKEN_TYPECODE
-
-if TYPE_CHECKING:
-    from kvreuse.core.hashing import Chain, Hasher
-    from kvreuse.core.plan import RequestPlan
+from kvreuse.core.hashing import TOKEN_TYPECODE, Chain, Hasher
+from kvreuse.core.plan import RecurrentSlot, RequestPlan
 
 MAX_TOKEN = 2**32
 
@@ -75,10 +72,35 @@ def check_tokens(token_ids: Sequence[int], what: str) -> list[int]:
     return tokens
 
 
-class Phase(Enum):
+class Phase(StrEnum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+class Deferral(StrEnum):
+    """What waits for the request's oldest sealed step to settle (spec §10.6)."""
+
+    FINISH = "finish"
+    PREEMPT = "preempt"
+
+
+class SavePurpose(StrEnum):
+    """Why a recurrent state is saved (kvreuse.core.savepoints); a position planned for several
+    purposes keeps the first listed."""
+
+    ROLLING = "rolling"
+    REPLAY = "replay"
+    JUNCTION = "junction"
+    DENSE = "dense"
+
+
+class PlanParts(NamedTuple):
+    """What every growth plan of a request repeats while no page changes: one shared copy."""
+
+    tables: dict[int, list[int]]
+    recurrent: dict[int, RecurrentSlot]
+    new_blocks: dict[int, list[int]]
 
 
 @dataclass(eq=False, slots=True)
@@ -90,7 +112,7 @@ class RecurrentSlots:
     held: dict[int, int] = field(default_factory=dict)  # position -> block
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False, slots=True, kw_only=True)
 class RequestState:
     """Everything the manager knows about one request."""
 
@@ -107,18 +129,17 @@ class RequestState:
     hit: int = 0  # h of the current admission
     tables: dict[int, list[int]] = field(default_factory=dict)  # attention group -> pages
     window_lo: dict[int, int] = field(default_factory=dict)  # pages below are all NULL (10.5)
-    # What a growth plan repeats while no page changes: (tables copy, recurrent slots, no new
-    # blocks). Every change of `tables` resets it to None (admit, growth, window free, release).
-    plan_parts: tuple[dict[int, list[int]], dict[int, Any], dict[int, list[int]]] | None = None
+    # Every change of `tables` resets it to None (admit, growth, window free, release).
+    plan_parts: PlanParts | None = None
     recurrent: dict[int, RecurrentSlots] = field(default_factory=dict)
     processed: dict[int, int] = field(default_factory=dict)  # d per attention group (10.3)
-    planned: dict[int, dict[int, str]] = field(default_factory=dict)  # g -> {pos: purpose}
+    planned: dict[int, dict[int, SavePurpose]] = field(default_factory=dict)  # gid -> {c: why}
     dense_from: int = 0  # dense positions above this are planned per step
     published_states: dict[int, list[int]] = field(default_factory=dict)  # I13
     open_plan: RequestPlan | None = None
-    inflight: list[int] = field(default_factory=list)  # ids of sealed, uncommitted steps
-    deferred: str | None = None  # "finish" | "preempt" while waiting for a sealed step
-    parked: list[Any] = field(default_factory=list)  # open plans withdrawn by a deferral
+    # The ledger's fields: changed only by StepLedger.
+    inflight: list[int] = field(default_factory=list)  # ids of sealed, unsettled steps
+    deferred: Deferral | None = None
     admissions: int = 0
     first_hit: int = 0
     first_reason: str = "not_admitted"
@@ -152,4 +173,12 @@ def new_request_state(req: Request, hasher: Hasher) -> RequestState:
     src = req.prompt_token_ids
     # A 4-byte unsigned array hashes from its own buffer (a copy), not from the list made of it.
     chain.extend(src if type(src) is array and src.typecode == TOKEN_TYPECODE else tokens)
-    return RequestState(rid, tokens, len(tokens), chain, lora, mm, bool(req.skip_read))
+    return RequestState(
+        request_id=rid,
+        tokens=tokens,
+        prompt_len=len(tokens),
+        chain=chain,
+        lora=lora,
+        mm_items=mm,
+        skip_read=bool(req.skip_read),
+    )

@@ -1,14 +1,13 @@
-"""Read-only views of the manager: exports for routers and oracles, save positions, describe()."""
+"""Read-only views of the pool and a request: exports for routers and oracles, describe()."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+from kvreuse.core.config import Geometry
 from kvreuse.core.pool import NULL, BlockPool
-from kvreuse.core.request import RequestState
-
-if TYPE_CHECKING:
-    from kvreuse.core.manager import KVCacheManager
+from kvreuse.core.request import Phase, RequestState
 
 
 def export_entries(pool: BlockPool) -> list[tuple[int, int, bytes, str, int]]:
@@ -27,33 +26,16 @@ def export_ghost(pool: BlockPool) -> list[tuple[int, int, bytes]]:
     return pool.ghost.entries()
 
 
-def save_positions(
-    mgr: KVCacheManager, st: RequestState, planned: dict[int, dict[int, str]], scheduled: int
-) -> list[int]:
-    """Positions above `scheduled` where the request still wants a state (spec §9.4)."""
-    geo = mgr.geo
-    if not geo.caching_enabled or not any(not g.is_attention for g in geo.groups):
-        return []
-    u, num = geo.hash_unit, len(st.tokens)
-    want: set[int] = set()
-    for g in geo.groups:
-        if g.is_attention:
-            continue
-        want.update(c for c in planned.get(g.group_id, {}) if c > scheduled)
-        if geo.dense_retention:
-            M = g.page_size
-            lo = max(scheduled, st.dense_from if st.phase.value == "running" else num)
-            want.update(range(lo // M * M + M, num + 1, M))
-    top = num // u * u
-    want.update(c for c in (top - geo.kappa * u, top) if c > 0 and c > scheduled)
-    return sorted(want)
-
-
-def describe(mgr: KVCacheManager, st: RequestState | None) -> str:
-    """Human-readable state (format not normative; tests must not parse it)."""
-    pool, geo = mgr.pool, mgr.geo
+def describe(
+    geo: Geometry,
+    pool: BlockPool,
+    m: Mapping[str, Any],
+    st: RequestState | None,
+    wanted: Sequence[int],
+) -> str:
+    """Human-readable state of the pool (`st` None, `m` its metrics) or of one request and the
+    save positions it still wants (format not normative; tests must not parse it)."""
     if st is None:
-        m = mgr.metrics()
         lines = [
             f"pool: {pool.num_blocks - 1} blocks (+ null), u = {geo.hash_unit}, "
             f"L = {geo.lookahead}, spec mode {geo.spec_mode}",
@@ -66,7 +48,7 @@ def describe(mgr: KVCacheManager, st: RequestState | None) -> str:
         return "\n".join(lines)
     u = geo.hash_unit
     lines = [
-        f"request {st.request_id} [{st.phase.value}]: N = {len(st.tokens)}, "
+        f"request {st.request_id} [{st.phase}]: N = {len(st.tokens)}, "
         f"n = {st.chain.num_units} units ({st.chain.num_units * u} tokens hashed), "
         f"T = {st.committed}, scheduled = {st.scheduled}, hit = {st.hit}",
     ]
@@ -78,6 +60,6 @@ def describe(mgr: KVCacheManager, st: RequestState | None) -> str:
             f"  group {gid} live {slots.live} scratch {slots.scratch} held "
             f"{dict(sorted(slots.held.items()))} planned {sorted(st.planned.get(gid, {}))}"
         )
-    if st.phase.value == "running":
-        lines.append(f"  save_positions {mgr.save_positions(st.request_id)}")
+    if st.phase is Phase.RUNNING:
+        lines.append(f"  save_positions {list(wanted)}")
     return "\n".join(lines)

@@ -16,8 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvreuse.core import KVCacheManager, Request, StepPlan
-from kvreuse.core.allocate import replay_point
+from kvreuse.core import KVCacheManager, Request, StepPlan, replay_point
 from kvreuse.oracle import Entry, OracleRequest, ident, num_units, oracle
 from kvreuse.sched import Scheduler
 from kvreuse.sim.geometry import SimGeometry

@@ -1,0 +1,164 @@
+"""Per-kind acceptance (spec §7.2–7.6): does group g accept a hit of x tokens?
+
+    full       x ≤ F_g                 (covering rule: an entry at b ≥ x in page p(x) proves x)
+    sliding    pages of [x−W+1, x) have full keys, page p(x) has an entry at b ≥ x
+    chunked    like sliding over [⌊x/C⌋·C, x); a chunk start needs nothing
+    recurrent  a state at exactly x
+
+The covering rule, full attention, page B = 4u, page 0 complete, page 1 = tokens [B, 2B) with
+its only entry at boundary B + 2u (a request that stopped there published it):
+
+    boundary x   B+u    B+2u   B+3u   2B
+    accepted     yes    yes    no     no      (the entry at B+2u ≥ x proves every x up to it)
+
+A `Probe` answers for one group, one request and one key set (the index, or the index plus
+the keys uncommitted plans would publish); the coordinator in `lookup` combines them.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Callable, Container
+from itertools import compress
+
+from kvreuse.core.config import GroupGeometry
+
+
+def _full_run(keys: Container[bytes], hashes: list[bytes], step: int, num_pages: int) -> int:
+    """The number of leading pages whose full key is in `keys`.
+
+    Probed in C (`map` over a strided slice) in chunks that grow ×4, so a long hit costs a few
+    C loops and a miss on the first page costs one small one.
+    """
+    contains = keys.__contains__
+    run, chunk = 0, 64
+    while run < num_pages:
+        stop = min(run + chunk, num_pages)
+        flags = list(map(contains, hashes[(run + 1) * step : stop * step + 1 : step]))
+        if not all(flags):
+            return run + flags.index(False)
+        run, chunk = stop, chunk * 4
+    return run
+
+
+class Probe:
+    """Acceptance of one group for one request over one key set (index, maybe plus pending)."""
+
+    __slots__ = ("F", "_present", "flags", "full", "g", "has", "hashes", "keys", "nu", "u")
+
+    def __init__(
+        self, g: GroupGeometry, keys: Container[bytes], hashes: list[bytes], u: int, nu: int
+    ) -> None:
+        self.g, self.u, self.nu = g, u, nu
+        self.keys, self.hashes = keys, hashes
+        self._present: list[int] | None = None  # recurrent: units with a state, built on demand
+
+        def has(b: int) -> bool:
+            return 0 < b <= nu and hashes[b // u] in keys
+
+        self.has: Callable[[int], bool] = has
+        self.F = 0
+        B = g.page_size
+        if g.kind == "full":
+            step = B // u
+            q_end = _full_run(keys, hashes, step, nu // B) * step  # units of the last full page
+            self.F = q_end * u
+            for b in range(min(q_end * u + B, nu), q_end * u, -u):  # page q, highest first
+                if hashes[b // u] in keys:
+                    self.F = b
+                    break
+        elif g.kind != "recurrent":
+            # Sliding / chunked: one membership flag per boundary, probed in C.
+            #   flags[k - 1]  <=>  the boundary k·u has an entry
+            #   full[j]       <=>  page j's last boundary (j + 1)·B has one (page j complete)
+            self.flags = list(map(keys.__contains__, hashes[1 : nu // u + 1]))
+            self.full = self.flags[B // u - 1 :: B // u]
+
+    def ok(self, x: int) -> bool:
+        if x == 0:
+            return True
+        g = self.g
+        kind = g.kind
+        if kind == "full":
+            return x <= self.F
+        if kind == "recurrent":
+            return self.has(x)
+        lo = max(0, x - g.window + 1) if kind == "sliding" else x // g.chunk * g.chunk
+        if kind == "chunked" and lo == x:
+            return True
+        B, u = g.page_size, self.u
+        p = (x - 1) // B
+        if x > self.nu:
+            return False
+        # x's own page holds an entry at some boundary in [x, end of the page]
+        if not any(self.flags[-(-x // u) - 1 : min((p + 1) * B, self.nu) // u]):
+            return False
+        need = p - lo // B  # complete pages below x's page that the window still covers
+        return need == 0 or (p >= need and all(self.full[p - need : p]))
+
+    def accepts(self, x: int, margin: bool) -> bool:
+        if margin and x > 0:
+            # Drop-mode margin (7.6). For sliding/chunked drafters we also require x itself:
+            # unlike full attention they are not downward-closed (docs/decisions.md, D2).
+            return x + self.u <= self.nu and self.ok(x + self.u) and self.ok(x)
+        return self.ok(x)
+
+    def largest(self, c: int, margin: bool) -> int:
+        """m_g(c): the largest candidate ≤ c this group accepts."""
+        if self.g.kind == "full":
+            return min(c, max(0, self.F - self.u)) if margin else min(c, self.F)
+        if not margin and c % self.u == 0:
+            if self.g.kind == "recurrent":
+                return self._largest_state(c)
+            if self.g.kind == "sliding":
+                return self._largest_window(c)
+        x = c
+        while x > 0 and not self.accepts(x, margin):
+            x -= self.u
+        return x
+
+    def _largest_window(self, c: int) -> int:
+        """m_g(c) for a sliding group, a page at a time instead of a unit at a time.
+
+        Within x's page, ok(x) needs an entry at some boundary in [x, page end] and complete
+        pages back to the window's start. The best x ≤ c of page p is min(c, top entry of p);
+        if the window test fails there it fails for every lower x of that page too (a lower x
+        reaches further back), so the search moves on to page p − 1.
+        """
+        B, u, flags = self.g.page_size, self.u, self.flags
+        x = min(c, self.nu)
+        while x > 0:
+            p = (x - 1) // B
+            first = p * B // u  # flags[first:] are the boundaries of page p
+            seg = flags[first : min((p + 1) * B, self.nu) // u]
+            if True in seg:
+                top = (first + len(seg) - seg[::-1].index(True)) * u
+                y = min(x, top)
+                if self.ok(y):
+                    return y
+            x = p * B
+        return 0
+
+    def _largest_state(self, c: int) -> int:
+        """The largest x ≤ c with a state in `keys`, by bisection over the units that have one
+        (found once per probe, in C), instead of a descent of one unit per step."""
+        if self._present is None:
+            n = self.nu // self.u
+            flags = map(self.keys.__contains__, self.hashes[1 : n + 1])
+            self._present = list(compress(range(1, n + 1), flags))
+        i = bisect_right(self._present, c // self.u)
+        return self._present[i - 1] * self.u if i else 0
+
+
+def needed_from(g: GroupGeometry, hit: int) -> int:
+    """First page of an attention group that a request resuming at `hit` needs (7.8)."""
+    if not g.cacheable or hit == 0:
+        return -(-hit // g.page_size)
+    if g.kind == "sliding":
+        assert g.window is not None
+        return max(0, hit - g.window + 1) // g.page_size
+    if g.kind == "chunked":
+        assert g.chunk is not None
+        lo = hit // g.chunk * g.chunk
+        return -(-hit // g.page_size) if lo == hit else lo // g.page_size
+    return 0

@@ -1,0 +1,255 @@
+"""The step ledger: every plan handed out and not yet settled, and the steps they belong to.
+
+    allocate ─► add ─► open step ─► seal ─► sealed steps (oldest first) ─► settle
+                                                                     committed | discarded
+    finish / preempt of a request in a sealed step ─► defer ─► released when that step settles
+
+The ledger is the only owner of the open step, the sealed steps, the fates of settled steps,
+the step ids, the plans parked by a deferral, and each request's in-flight fields (`open_plan`,
+`inflight`, `deferred`). Every change but `add` moves `version`; the union of keys that live
+plans would publish (for `pending_hit`) is kept between lookups and rebuilt only when `version`
+moved, so its validity rests on this module alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import NamedTuple
+
+from kvreuse.core.config import Geometry
+from kvreuse.core.plan import Copy, RequestPlan
+from kvreuse.core.pool import NULL
+from kvreuse.core.request import Deferral, RequestState
+
+
+class StepFate(StrEnum):
+    EMPTY = "empty"  # sealed with no plan: nothing to settle
+    COMMITTED = "committed"
+    DISCARDED = "discarded"
+
+
+class PlannedSave(NamedTuple):
+    """A save block popped for a step: settled by its commit, released if it never comes."""
+
+    gid: int
+    position: int
+    block_id: int
+    rolling: bool  # kept privately if valid (a candidate for φ(T) at finish)
+    planned: bool  # published if valid (a replay, junction or dense position)
+
+
+@dataclass(eq=False, slots=True, kw_only=True)
+class PlanRecord:
+    """The manager's side of one RequestPlan: what its commit must settle.
+
+    The step's [start, end) is kept here: the manager never trusts a plan it handed out.
+    """
+
+    req: RequestState
+    plan: RequestPlan
+    saves: list[PlannedSave]
+    copies: list[Copy]
+    start: int
+    end: int
+    step_id: int = -1
+    withdrawn: bool = False
+    keys: list[tuple[int, bytes]] | None = None  # pending keys, valid while `keys_at` holds
+    keys_at: tuple[int, int] = (-1, -1)  # (req.committed, req.chain.num_units) when computed
+
+
+MAX_SETTLED = 4096  # fates remembered, so a late commit of a settled step names its fate
+
+
+class StepLedger:
+    """Open and sealed steps, settled fates, and the pending-key union."""
+
+    __slots__ = (
+        "_geo",
+        "_keys",
+        "_keys_at",
+        "_next_step",
+        "_open",
+        "_parked",
+        "_sealed",
+        "_seen",
+        "_settled",
+        "num_plans",
+        "version",
+    )
+
+    def __init__(self, geo: Geometry) -> None:
+        self._geo = geo
+        self._open: list[PlanRecord] = []
+        self._sealed: OrderedDict[int, list[PlanRecord]] = OrderedDict()
+        self._settled: OrderedDict[int, StepFate] = OrderedDict()
+        self._parked: dict[str, list[PlanRecord]] = {}  # request id -> open plans a deferral took
+        self._next_step = 1
+        self.num_plans = 0  # plans ever handed out
+        self.version = 0  # moves on every change but `add`
+        self._keys: list[set[bytes]] = []
+        self._keys_at = -1  # `version` the union was built at
+        self._seen = 0  # plans the union includes
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def busy(self) -> bool:
+        """Whether any plan is open or sealed."""
+        return bool(self._open or self._sealed)
+
+    def records(self) -> list[PlanRecord]:
+        """Every open and sealed record, withdrawn ones included."""
+        return [*self._open, *itertools.chain.from_iterable(self._sealed.values())]
+
+    def parked(self) -> list[PlanRecord]:
+        """Open plans withdrawn by a deferral, not yet released (they still hold references)."""
+        return [r for recs in self._parked.values() for r in recs]
+
+    def parked_of(self, req: RequestState) -> list[PlanRecord]:
+        return self._parked.get(req.request_id, [])
+
+    def records_of(self, req: RequestState) -> list[PlanRecord]:
+        """The request's records in sealed, unsettled steps, oldest first."""
+        return [r for sid in req.inflight for r in self._sealed[sid] if r.req is req]
+
+    def check(self, step_id: int, op: str) -> bool:
+        """True for the oldest sealed step; False for an empty one; else raise naming why."""
+        if step_id in self._sealed:
+            first = next(iter(self._sealed))
+            if step_id != first:
+                raise ValueError(f"{op}: step {step_id} is out of order; settle step {first} first")
+            return True
+        fate = self._settled.get(step_id)
+        if fate is StepFate.EMPTY:
+            return False
+        if fate is not None:
+            raise ValueError(f"{op}: step {step_id} was already {fate}")
+        raise ValueError(f"{op}: unknown step {step_id!r}")
+
+    def sealed(self, step_id: int) -> list[PlanRecord]:
+        return self._sealed[step_id]
+
+    # ------------------------------------------------------------------ changes
+    def add(self, rec: PlanRecord) -> None:
+        """A plan joins the open step (the union only grows: `version` stays)."""
+        rec.req.open_plan = rec.plan
+        self._open.append(rec)
+        self.num_plans += 1
+
+    def seal(self) -> tuple[int, list[PlanRecord]]:
+        """Close the open step; returns its id and records, in allocation order."""
+        recs, self._open = self._open, []
+        step_id = self._next_step
+        self._next_step += 1
+        if recs:
+            for r in recs:
+                r.step_id = step_id
+                r.req.open_plan = None
+                r.req.inflight.append(step_id)
+            self._sealed[step_id] = recs
+        else:
+            self._remember(step_id, StepFate.EMPTY)
+        self.version += 1
+        return step_id, recs
+
+    def settle(self, step_id: int, fate: StepFate) -> list[PlanRecord]:
+        """Remove the oldest sealed step (checked by `check`) and record its fate."""
+        recs = self._sealed.pop(step_id)
+        self._remember(step_id, fate)
+        for r in recs:
+            if step_id in r.req.inflight:
+                r.req.inflight.remove(step_id)
+        self.version += 1
+        return recs
+
+    def _remember(self, step_id: int, fate: StepFate) -> None:
+        self._settled[step_id] = fate
+        while len(self._settled) > MAX_SETTLED:  # bounded: a long-running server seals many
+            self._settled.popitem(last=False)
+
+    def withdraw_open(self, req: RequestState) -> list[PlanRecord]:
+        """Take the request's plan out of the open step (the engine will never see it)."""
+        recs = [r for r in self._open if r.req is req]
+        if recs:
+            self._open = [r for r in self._open if r.req is not req]
+            self.version += 1
+        req.open_plan = None
+        return recs
+
+    def withdraw_sealed(self, req: RequestState) -> list[PlanRecord]:
+        """Mark the request's records in unsettled steps withdrawn: their commits publish
+        nothing, and their references are released with the request."""
+        recs = self.records_of(req)
+        for r in recs:
+            r.withdrawn = True
+        self.version += 1
+        return recs
+
+    def defer(self, req: RequestState, what: Deferral) -> None:
+        """A finish or preempt waits for the request's oldest sealed step. An open plan is
+        withdrawn now and parked, released in the same batch when the release happens."""
+        req.deferred = what
+        for rec in self.withdraw_open(req):
+            rec.withdrawn = True
+            self._parked.setdefault(req.request_id, []).append(rec)
+        self.version += 1
+
+    def forget(self, req: RequestState) -> None:
+        """The request was released: it is in no step any more."""
+        req.open_plan = None
+        req.inflight = []
+        req.deferred = None
+        self._parked.pop(req.request_id, None)
+        self.version += 1
+
+    # ------------------------------------------------------------------ pending keys
+    def pending_keys(self) -> list[set[bytes]] | None:
+        """Per group, the keys live plans would publish if they committed in full (for
+        `pending_hit`); None when no plan is open or sealed."""
+        if not self._open and not self._sealed:
+            return None
+        if self._keys_at == self.version:  # only plans were added since: extend the union
+            new = self.num_plans - self._seen
+            recs = self._open[len(self._open) - new :] if new else []
+        else:
+            self._keys = [set() for _ in self._geo.groups]
+            recs = self.records()
+        keys = self._keys
+        for rec in recs:
+            req = rec.req
+            if rec.withdrawn or req.deferred is not None:
+                continue
+            # A record's keys change only when its request commits (T, processed, the chain
+            # and window frees move together), so they are cached per (T, units).
+            rec_at = (req.committed, req.chain.num_units)
+            if rec.keys is None or rec.keys_at != rec_at:
+                rec.keys, rec.keys_at = plan_keys(self._geo, rec), rec_at
+            for gid, key in rec.keys:
+                keys[gid].add(key)
+        self._keys_at, self._seen = self.version, self.num_plans
+        return keys
+
+
+def plan_keys(geo: Geometry, rec: PlanRecord) -> list[tuple[int, bytes]]:
+    """(gid, key) a plan's commit would publish if it committed with T′ = end."""
+    req = rec.req
+    u = geo.hash_unit
+    hashes = req.chain.hashes
+    E = min(rec.end, req.chain.num_units * u)
+    if not rec.saves and all(d + u > E for d in req.processed.values()):
+        return []  # most decode plans: no boundary of theirs is left to publish
+    keys: list[tuple[int, bytes]] = []
+    for gid, row in req.tables.items():
+        g = geo.groups[gid]
+        if not g.cacheable:
+            continue
+        B = g.page_size
+        for b in range(req.processed[gid] + u, E + 1, u):
+            if row[(b - 1) // B] != NULL:
+                keys.append((gid, hashes[b // u]))
+    for s in rec.saves:
+        if s.planned and s.position <= E:
+            keys.append((s.gid, hashes[s.position // u]))
+    return keys
