@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvreuse.deployment import preset
 from kvreuse.sim.generators import shared_prefix
-from kvreuse.sim.geometry import preset
 from kvreuse.sim.run import simulate
 from kvreuse.sim.workload import load_workload
 

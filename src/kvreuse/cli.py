@@ -1,7 +1,7 @@
 """Command line: `kvreuse demo | workload | simulate | serve | qualify` (also `python -m kvreuse`).
 
-The demo runs a cold request and an identical warm resend on the DCP4 hybrid geometry of the
-issue (full attention, local block 2048 × dcp 4 = 8192-token pages, a 256-token recurrent
+The demo runs a cold request and an identical warm resend on the groups of the `hybrid-dcp4`
+preset (full attention, local block 2048 × dcp 4 = 8192-token pages, a 256-token recurrent
 group, hash unit 256) and prints what was reused and why.
 """
 
@@ -11,7 +11,8 @@ import argparse
 import json
 import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvreuse.core import CacheConfig, GroupSpec, KVCacheManager, Request
 
@@ -110,7 +111,8 @@ def _cmd_workload(args: argparse.Namespace) -> int:
 def _add_workload(sub: argparse._SubParsersAction) -> None:
     wl = sub.add_parser("workload", help="generate a JSONL workload on stdout")
     kinds = wl.add_subparsers(dest="kind", required=True)
-    specs = {
+    # per kind: (flag, parser of its value, default)
+    specs: dict[str, list[tuple[str, Callable[[str], Any], Any]]] = {
         "resend-grid": [
             ("--lengths", _ints, "255,256,257,2047,2048,2049,4096,8191,8192,8193"),
             ("--extra", int, 8),
@@ -140,7 +142,7 @@ def _add_workload(sub: argparse._SubParsersAction) -> None:
     for kind, options in specs.items():
         p = kinds.add_parser(kind)
         for flag, typ, default in options:
-            # `--len` is accepted for `--length` (the issue's and the workload format's name)
+            # `--len` is accepted for `--length` (the workload format's name)
             aliases = ("--len",) if flag == "--length" else ()
             p.add_argument(flag, *aliases, type=typ, default=default)
         p.add_argument("--seed", type=int, default=0)
@@ -187,7 +189,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_qualify(args: argparse.Namespace) -> int:
-    from kvreuse.serve.qualify import main as qualify_main
+    from kvreuse.qualify import main as qualify_main
 
     return qualify_main(args)
 

@@ -9,10 +9,17 @@ hit, reason, junction, slots and pending_hit equal the oracle's truth (T1, T2, T
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvreuse import CacheConfig, KVCacheManager, LookupResult, MultiModalItem, Request
+from kvreuse import (
+    CacheConfig,
+    KVCacheManager,
+    LookupResult,
+    MultiModalItem,
+    Request,
+    compute_lookup,
+)
 from kvreuse.core.pool import NULL
 from kvreuse.core.request import Phase
 from kvreuse.oracle import IdentBook, OracleRequest, expected_slots, oracle
@@ -32,6 +39,27 @@ class Known:
     max_tokens: int = 4
     admitted: bool = False
     first_hit: int | None = None
+
+
+class Mirror:
+    """An IndexView of plain dicts: per group, hash -> block id, and the ghost keys."""
+
+    def __init__(self, num_groups: int, entries: list, ghost: list) -> None:
+        self.index: list[dict[bytes, int]] = [{} for _ in range(num_groups)]
+        for gid, _, key, _, block_id in entries:
+            self.index[gid][key] = block_id
+        self._ghost = {(gid, key) for gid, _, key in ghost}
+
+    def in_ghost(self, group_id: int, key: bytes) -> bool:
+        return (group_id, key) in self._ghost
+
+
+class ChainCopy:
+    """A ChainView from a list of hashes H[0] … H[n]."""
+
+    def __init__(self, hashes: list[bytes]) -> None:
+        self.hashes = hashes
+        self.num_units = len(hashes) - 1
 
 
 class Driver:
@@ -148,6 +176,7 @@ class Driver:
         u = self.geo.hash_unit
         assert res.hit <= max(0, len(k.tokens) - 1) and res.hit % u == 0 and res.hit <= res.n * u
         self._check_slots(k, res, entries)
+        self._check_mirror(k, res)
         pending = oracle(self.geo, oreq, entries | self._pending_entries(), ghost)
         assert res.pending_hit == pending.hit, (res.pending_hit, pending.hit)
         if self.geo.caching_enabled and not k.skip_read:
@@ -159,6 +188,17 @@ class Driver:
         self.last_lookup[k.rid] = (res.hit, removed, len(k.tokens))
         self.num_lookups += 1
         return res
+
+    def _check_mirror(self, k: Known, res: LookupResult) -> None:
+        """The lookup rules run unchanged over a mirror built from the exports (what a router
+        rebuilds from events): the same result, pending keys aside (a mirror has none)."""
+        mgr = self.mgr
+        mirror = Mirror(len(self.geo.groups), mgr.export_entries(), mgr.export_ghost())
+        chain = ChainCopy(self._hashes(self.oracle_request(k)))
+        got = compute_lookup(
+            self.geo, mirror, k.rid, chain, len(k.tokens), skip_read=k.skip_read, epoch=res.epoch
+        )
+        assert got == replace(res, pending_hit=res.hit, pending_bounds=res.bounds), (got, res)
 
     def run_to_finish(self, k: Known) -> LookupResult:
         """Admit `k` with its whole prompt in one step, sample one token, finish it."""

@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from kvreuse import CacheConfig, GroupSpec, KVCacheManager, Request
+from kvreuse.core.kinds import EntryKind, count_entry_kinds, entry_kind
 
 GEO_P = CacheConfig(num_blocks=40, dcp_size=4, groups=[GroupSpec(kind="full", block_size=16)])
 GEO_H = CacheConfig(
@@ -109,3 +110,50 @@ def test_gauges_partition_the_pool_and_counters_are_monotonic() -> None:
     assert sum(m3["kv_blocks_in_use"].values()) == 0 and m3["kv_usage"] == 0
     assert m3["kv_entries_published_total"]["full"] >= m2["kv_entries_published_total"]["full"]
     assert m3["kv_checkpoint_saves_total"]["published"] >= 1
+
+
+# ---------------------------------------------------------------------- one home per rule
+@pytest.mark.parametrize(
+    ("page", "boundary", "kind"),
+    [(16, 16, "full"), (64, 48, "partial"), (64, 128, "full"), (0, 48, "state"), (0, 64, "state")],
+)
+def test_entry_kind_is_one_rule_and_compares_as_a_string(
+    page: int, boundary: int, kind: str
+) -> None:
+    got = entry_kind(page, boundary)
+    assert got == kind and got is EntryKind(kind) and f"{got}" == kind and {kind: 1}[got] == 1
+    counts = {k.value: 0 for k in EntryKind}
+    count_entry_kinds(counts, page, [boundary, boundary])
+    assert counts[kind] == 2 and sum(counts.values()) == 2
+
+
+def test_pool_metrics_and_events_agree_on_kinds() -> None:
+    mgr = KVCacheManager(GEO_H)
+    history(mgr)
+    events = mgr.take_events()
+    stored = [
+        (e.group_id, s.boundary, s.kind)
+        for e in events
+        if e.type == "BlockStored"
+        for s in e.entries
+    ]
+    for gid, boundary, kind in stored:
+        assert kind == mgr.pool.kind_of(gid, boundary)
+    published = {k: 0 for k in ("full", "partial", "state")}
+    for _, _, kind in stored:
+        published[kind] += 1
+    assert mgr.metrics()["kv_entries_published_total"] == published
+    for e in events:
+        if e.type == "BlockRemoved":
+            assert e.kind == mgr.pool.kind_of(e.group_id, e.boundary)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_reset_records_one_all_blocks_cleared_from_the_pool(enabled: bool) -> None:
+    mgr = KVCacheManager(replace(GEO_H, enable_events=enabled))
+    history(mgr)
+    mgr.take_events()
+    assert mgr.reset()
+    events = mgr.take_events()
+    assert [e.type for e in events] == (["AllBlocksCleared"] if enabled else [])
+    assert mgr.export_entries() == [] and mgr.export_ghost() == []

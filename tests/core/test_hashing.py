@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import subprocess
@@ -398,6 +399,35 @@ def test_unit_hash_is_one_link(algo: str) -> None:
     hs = hasher.hash_units(toks, lora=("n", "p"), cache_salt="t")
     x2 = unit_extra_keys(2, 4, 1, ("n", "p"), (), "t")
     assert hasher.unit_hash(hs[1], toks[4:8], toks[8:9], x2) == hs[2]
+
+
+@pytest.mark.parametrize(
+    ("algo", "u", "la"), [("sha256", 16, 0), ("sha256", 4, 3), ("xxh3_128", 8, 1)]
+)
+def test_unit_template_splices_exactly_enc(algo: str, u: int, la: int) -> None:
+    """The template's constant pieces around the variable ones are the normative encoding."""
+    hasher = Hasher(algo, u, la, seed="s")
+    t = hasher.template
+    assert (t.hash_unit, t.lookahead, t.root, t.digest) == (u, la, hasher.root, hasher.digest)
+    parent, toks, succ, x = hasher.root, list(range(u)), list(range(100, 100 + la)), (("k", 1),)
+    spliced = t.pre + parent + t.mid + _tok(toks) + t.la_hdr + _tok(succ) + enc(x)
+    assert spliced == enc(("kvr/unit", parent, TokenArray(toks), TokenArray(succ), x))
+    assert t.unit_struct.size == 4 * u
+    if t.ctor is not None:
+        assert t.ctor(spliced).digest() == t.digest(spliced)
+
+
+def _tok(tokens: list[int]) -> bytes:
+    return b"".join(x.to_bytes(4, "big") for x in tokens)
+
+
+def test_chains_hold_the_hasher_s_frozen_template() -> None:
+    hasher = Hasher("sha256", 16, 0)
+    a, b = hasher.chain(), hasher.chain(cache_salt="t")
+    assert a.template is b.template is hasher.template
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        hasher.template.hash_unit = 8  # type: ignore[misc]
+    assert not any(name.startswith("_") for name in vars(hasher))  # nothing private to read
 
 
 # --------------------------------------------------------------------------- digests, seeds, roots

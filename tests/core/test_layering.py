@@ -1,4 +1,5 @@
-"""The core is pure: no I/O, no torch/numpy/asyncio. Its public surface is exactly `__all__`."""
+"""The core is pure: no I/O, no torch/numpy/asyncio. Its public surface is exactly `__all__`;
+the tree is ruff- and mypy-clean."""
 
 from __future__ import annotations
 
@@ -120,3 +121,13 @@ def test_ruff_clean() -> None:
     fmt = [ruff, "format", "--check", "src", "tests", "benchmarks"]
     proc = subprocess.run(fmt, capture_output=True, text=True, cwd=root)
     assert proc.returncode == 0, "run `ruff format src tests benchmarks`:\n" + proc.stdout
+
+
+def test_mypy_clean() -> None:
+    """Types are checked with the tests too (configuration in pyproject.toml, [tool.mypy])."""
+    mypy = str(Path(sys.executable).parent / "mypy")  # the test venv's, pinned by the extra
+    if not Path(mypy).exists():
+        pytest.skip("mypy is not installed (pip install -e '.[test]')")
+    root = CORE.parents[2]
+    proc = subprocess.run([mypy], capture_output=True, text=True, cwd=root)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

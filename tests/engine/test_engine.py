@@ -1,6 +1,6 @@
-"""Engine equivalence (issue 4, acceptance a): warm runs over the paged, DCP-sharded, hybrid
-cache give the same tokens and logits as cold runs and as a dense cache-free forward, and
-reuse exactly what the spec's rules say they must.
+"""Engine equivalence: warm runs over the paged, DCP-sharded, hybrid cache give the same tokens
+and logits as cold runs and as a dense cache-free forward, and reuse exactly what the spec's
+rules say they must.
 
 Scenario per geometry: a producer prompt of P = 150 tokens runs, then warm consumers: an
 identical resend, an extension of the prompt, and two prompts that diverge after D = 90 tokens.
@@ -143,8 +143,17 @@ def test_seeded_sampling_is_unchanged_by_cache_and_speculation() -> None:
 
 
 def test_importing_kvreuse_does_not_import_torch() -> None:
+    """The engine names are listed (in __all__ and dir()) but loaded on first use."""
     code = (
         "import sys, kvreuse; assert 'torch' not in sys.modules; "
-        "kvreuse.LLM; kvreuse.SamplingParams"
+        "assert {'LLM', 'SamplingParams'} <= set(kvreuse.__all__) & set(dir(kvreuse)); "
+        "assert 'torch' not in sys.modules; "
+        "kvreuse.LLM; kvreuse.SamplingParams; assert 'torch' in sys.modules"
     )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_star_import_loads_the_engine_names() -> None:
+    """`from kvreuse import *` follows __all__, so it loads LLM and SamplingParams (and torch)."""
+    code = "from kvreuse import *; import sys; LLM, SamplingParams; assert 'torch' in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

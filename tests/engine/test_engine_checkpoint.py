@@ -1,4 +1,4 @@
-"""Checkpoints and tokenizers (issue 4, acceptance c): round trips are exact; bad files say why."""
+"""Checkpoints and tokenizers: round trips are exact; bad files say why."""
 
 from __future__ import annotations
 

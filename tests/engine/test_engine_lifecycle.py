@@ -1,4 +1,4 @@
-"""Engine under preemption and abort (issue 4, acceptance b): outputs unchanged, invariants kept."""
+"""Engine under preemption and abort: outputs unchanged, invariants kept."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import random
 import pytest
 
 from kvreuse.core import Request
+from kvreuse.deployment import preset
 from kvreuse.engine import LLM, SamplingParams
-from kvreuse.sim.geometry import preset
 
 
 def _prompts(n: int, length: int, seed: int = 1, shared: int | None = None) -> list[list[int]]:

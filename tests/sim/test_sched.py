@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 
 from kvreuse import CacheConfig, GroupSpec, KVCacheManager, Request
+from kvreuse.deployment import preset
 from kvreuse.sched import FakeEngine, Scheduler, SchedulerConfig, token_at
-from kvreuse.sim.geometry import preset
 
 HYBRID = dict(
     dcp_size=4,

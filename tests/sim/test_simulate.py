@@ -1,5 +1,5 @@
-"""The simulator run: issue 3's acceptance grid and agent checks, and reconciliation that fails
-loudly when a counter is wrong."""
+"""The simulator run: the resend grid and agent checks, and reconciliation that fails loudly when
+a counter is wrong."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from kvreuse.deployment import preset
 from kvreuse.sim.generators import agent, resend_grid, shared_prefix
-from kvreuse.sim.geometry import preset
 from kvreuse.sim.run import simulate
 from kvreuse.sim.workload import load_workload
 
@@ -100,7 +100,7 @@ def test_cli_writes_outputs_and_exit_codes(tmp_path) -> None:
 
 @pytest.mark.parametrize("name", ["attention-16", "hybrid-dcp4"])
 def test_burst_deferral_computes_the_shared_prompt_once(name: str) -> None:
-    """32 requests with one 4,096-token system prompt arrive together (issue 3, item 1).
+    """32 requests with one 4,096-token system prompt arrive together.
 
     With deferral, the prefix is computed once and every other request waits for it and reuses
     all 4,096 tokens (a multiple of both presets' units): 4,096 + 32 · 64 prefill tokens. Without
@@ -184,7 +184,7 @@ def test_a_simulation_leaves_no_cyclic_garbage() -> None:
 
 def test_draft_acceptance_rate_drives_decode_steps() -> None:
     """With drafts on, every accepted draft saves a decode step; outputs and reuse don't change."""
-    from kvreuse.sim.geometry import load_geometry
+    from kvreuse.deployment import load_geometry
 
     geo = load_geometry(
         '[cache]\nnum_blocks = 2048\nspec_mode = "lookahead"\nlookahead_tokens = 1\n'

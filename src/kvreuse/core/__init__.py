@@ -1,14 +1,46 @@
 """`kvreuse.core`: the pure-Python prefix-cache manager (no I/O, no torch, no asyncio).
 
-Layers, bottom up: `hashing` (the chain) → `pool` + `policy` (blocks, index, free queue) →
-`lookup` (per-kind acceptance, coordinator) → `allocate` / `commit` (plans and publication) →
-`manager` (the facade of spec §3).
+Owners, bottom up; each piece of state has one, changed only through its methods:
+
+    hashing      Hasher / Chain: H[k] per request, extended as tokens arrive
+    pool         BlockPool: reference counts, keys, the index (hash → block), the free queue
+                 (policy), the ghost record (ghost) and the event log (events)
+    ledger       StepLedger: open and sealed steps, settled fates, in-flight plans, pending keys
+    manager      KVCacheManager: the facade; registered requests, the epoch, the rules of use
+
+Rules, as functions given the owners they use (never the facade):
+
+    acceptance   per-kind acceptance: does group g accept a hit of x tokens?
+    lookup       the coordinator over any IndexView (the pool, or a router's mirror)
+    savepoints   where recurrent states are saved: ρ(P), φ(T), planned and rolling positions
+    allocate     admission and growth: count, then adopt → pop → saves
+    commit       publication, rolling states, window frees, release batches
+    invariants   audit(): every reference and key recounted from scratch
+
+Notation (the spec's, used in names and comments):
+
+    u     hash unit: tokens per hash; H[k] names the prefix [0, k·u) and its extra keys
+    n     units hashed so far
+    ν     n·u (`nu` in code): the hashed length; nothing beyond it is ever proven
+    B     page size of an attention group (block_size × dcp for sharded full attention)
+    M     page size of a recurrent group: states are saved at multiples of u, kept per M
+    S     common page: lcm of the cacheable page sizes
+    F     full attention's covering limit: the largest x its entries prove
+    T     committed tokens of a request; T′ what a commit reports
+    top   the largest candidate hit: min(N − 1, ν) rounded down to u (the last token of a
+          prompt is always computed)
+    ρ(P)  replay point: the hit of an identical resend of a P-token prompt
+    φ(T)  finish point: the state a finishing request publishes
+    κ     extra rolling checkpoints kept (1 in drop mode or lookahead ≥ 2, else 0)
+    L     lookahead tokens hashed into each unit (spec mode "lookahead")
 """
 
 from kvreuse.core.commit import Outcome
 from kvreuse.core.config import CacheConfig, Geometry, GroupGeometry, GroupSpec
 from kvreuse.core.errors import ConfigError, InvariantError, StaleLookupError, UnknownRequestError
 from kvreuse.core.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, StoredEntry
+from kvreuse.core.hashing import TOKEN_TYPECODE
+from kvreuse.core.kinds import EntryKind
 from kvreuse.core.ledger import StepFate
 from kvreuse.core.lookup import IndexView, LookupResult, Reason, compute_lookup
 from kvreuse.core.manager import KVCacheManager
@@ -19,6 +51,7 @@ from kvreuse.core.request import Deferral, MultiModalItem, Request, SavePurpose
 from kvreuse.core.savepoints import finish_point, replay_point
 
 __all__ = [
+    "TOKEN_TYPECODE",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -26,6 +59,7 @@ __all__ = [
     "ConfigError",
     "Copy",
     "Deferral",
+    "EntryKind",
     "Event",
     "EvictionPolicy",
     "Geometry",

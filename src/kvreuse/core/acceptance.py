@@ -18,7 +18,7 @@ the keys uncommitted plans would publish); the coordinator in `lookup` combines 
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Callable, Container
+from collections.abc import Container
 from itertools import compress
 
 from kvreuse.core.config import GroupGeometry
@@ -42,50 +42,89 @@ def _full_run(keys: Container[bytes], hashes: list[bytes], step: int, num_pages:
 
 
 class Probe:
-    """Acceptance of one group for one request over one key set (index, maybe plus pending)."""
+    """Acceptance of one group for one request over one key set (the index, maybe plus the
+    pending keys). Subclasses hold one kind's rule; this base adds the drop-mode margin and
+    the generic descent."""
 
-    __slots__ = ("F", "_present", "flags", "full", "g", "has", "hashes", "keys", "nu", "u")
+    __slots__ = ("g", "hashes", "keys", "nu", "u")
+    F = 0  # full attention's covering limit (FullProbe sets it)
 
     def __init__(
         self, g: GroupGeometry, keys: Container[bytes], hashes: list[bytes], u: int, nu: int
     ) -> None:
         self.g, self.u, self.nu = g, u, nu
         self.keys, self.hashes = keys, hashes
-        self._present: list[int] | None = None  # recurrent: units with a state, built on demand
 
-        def has(b: int) -> bool:
-            return 0 < b <= nu and hashes[b // u] in keys
+    def ok(self, x: int) -> bool:
+        """Whether the group accepts a hit of x tokens (x a multiple of u)."""
+        raise NotImplementedError
 
-        self.has: Callable[[int], bool] = has
-        self.F = 0
+    def accepts(self, x: int, margin: bool) -> bool:
+        if margin and x > 0:
+            # Drop-mode margin (7.6). For sliding/chunked drafters we also require x itself:
+            # unlike full attention they are not downward-closed (docs/decisions.md, D2).
+            return x + self.u <= self.nu and self.ok(x + self.u) and self.ok(x)
+        return self.ok(x)
+
+    def largest(self, c: int, margin: bool) -> int:
+        """m_g(c): the largest candidate ≤ c this group accepts (a descent of one unit a step;
+        subclasses answer the common cases faster)."""
+        x = c
+        while x > 0 and not self.accepts(x, margin):
+            x -= self.u
+        return x
+
+
+class FullProbe(Probe):
+    """Full attention: x ≤ F, where F is the leading run of complete pages plus the highest
+    entry in the next page (the covering rule). Downward-closed, so m_g(c) = min(c, F)."""
+
+    __slots__ = ("F",)
+
+    def __init__(
+        self, g: GroupGeometry, keys: Container[bytes], hashes: list[bytes], u: int, nu: int
+    ) -> None:
+        super().__init__(g, keys, hashes, u, nu)
         B = g.page_size
-        if g.kind == "full":
-            step = B // u
-            q_end = _full_run(keys, hashes, step, nu // B) * step  # units of the last full page
-            self.F = q_end * u
-            for b in range(min(q_end * u + B, nu), q_end * u, -u):  # page q, highest first
-                if hashes[b // u] in keys:
-                    self.F = b
-                    break
-        elif g.kind != "recurrent":
-            # Sliding / chunked: one membership flag per boundary, probed in C.
-            #   flags[k - 1]  <=>  the boundary k·u has an entry
-            #   full[j]       <=>  page j's last boundary (j + 1)·B has one (page j complete)
-            self.flags = list(map(keys.__contains__, hashes[1 : nu // u + 1]))
-            self.full = self.flags[B // u - 1 :: B // u]
+        step = B // u
+        q_end = _full_run(keys, hashes, step, nu // B) * step  # units of the last full page
+        self.F = q_end * u
+        for b in range(min(q_end * u + B, nu), q_end * u, -u):  # page q, highest first
+            if hashes[b // u] in keys:
+                self.F = b
+                break
+
+    def ok(self, x: int) -> bool:
+        return x <= self.F
+
+    def largest(self, c: int, margin: bool) -> int:
+        return min(c, max(0, self.F - self.u)) if margin else min(c, self.F)
+
+
+class WindowProbe(Probe):
+    """Sliding window and chunked attention: x's own page has an entry at some boundary ≥ x,
+    and every page the window (or chunk) of token x still covers below it is complete."""
+
+    __slots__ = ("flags", "full")
+
+    def __init__(
+        self, g: GroupGeometry, keys: Container[bytes], hashes: list[bytes], u: int, nu: int
+    ) -> None:
+        super().__init__(g, keys, hashes, u, nu)
+        B = g.page_size
+        # One membership flag per boundary, probed in C:
+        #   flags[k - 1]  <=>  the boundary k·u has an entry
+        #   full[j]       <=>  page j's last boundary (j + 1)·B has one (page j complete)
+        self.flags = list(map(keys.__contains__, hashes[1 : nu // u + 1]))
+        self.full = self.flags[B // u - 1 :: B // u]
 
     def ok(self, x: int) -> bool:
         if x == 0:
             return True
         g = self.g
-        kind = g.kind
-        if kind == "full":
-            return x <= self.F
-        if kind == "recurrent":
-            return self.has(x)
-        lo = max(0, x - g.window + 1) if kind == "sliding" else x // g.chunk * g.chunk
-        if kind == "chunked" and lo == x:
-            return True
+        lo = g.attend_from(x)
+        if g.kind == "chunked" and lo == x:
+            return True  # a chunk starts at x: nothing before it is attended to
         B, u = g.page_size, self.u
         p = (x - 1) // B
         if x > self.nu:
@@ -96,26 +135,10 @@ class Probe:
         need = p - lo // B  # complete pages below x's page that the window still covers
         return need == 0 or (p >= need and all(self.full[p - need : p]))
 
-    def accepts(self, x: int, margin: bool) -> bool:
-        if margin and x > 0:
-            # Drop-mode margin (7.6). For sliding/chunked drafters we also require x itself:
-            # unlike full attention they are not downward-closed (docs/decisions.md, D2).
-            return x + self.u <= self.nu and self.ok(x + self.u) and self.ok(x)
-        return self.ok(x)
-
     def largest(self, c: int, margin: bool) -> int:
-        """m_g(c): the largest candidate ≤ c this group accepts."""
-        if self.g.kind == "full":
-            return min(c, max(0, self.F - self.u)) if margin else min(c, self.F)
-        if not margin and c % self.u == 0:
-            if self.g.kind == "recurrent":
-                return self._largest_state(c)
-            if self.g.kind == "sliding":
-                return self._largest_window(c)
-        x = c
-        while x > 0 and not self.accepts(x, margin):
-            x -= self.u
-        return x
+        if margin or c % self.u or self.g.kind != "sliding":
+            return super().largest(c, margin)
+        return self._largest_window(c)
 
     def _largest_window(self, c: int) -> int:
         """m_g(c) for a sliding group, a page at a time instead of a unit at a time.
@@ -139,6 +162,26 @@ class Probe:
             x = p * B
         return 0
 
+
+class StateProbe(Probe):
+    """A recurrent group: a state saved at exactly x."""
+
+    __slots__ = ("_present",)
+
+    def __init__(
+        self, g: GroupGeometry, keys: Container[bytes], hashes: list[bytes], u: int, nu: int
+    ) -> None:
+        super().__init__(g, keys, hashes, u, nu)
+        self._present: list[int] | None = None  # units with a state, found on first use
+
+    def ok(self, x: int) -> bool:
+        return x == 0 or (x <= self.nu and self.hashes[x // self.u] in self.keys)
+
+    def largest(self, c: int, margin: bool) -> int:
+        if margin or c % self.u:
+            return super().largest(c, margin)
+        return self._largest_state(c)
+
     def _largest_state(self, c: int) -> int:
         """The largest x ≤ c with a state in `keys`, by bisection over the units that have one
         (found once per probe, in C), instead of a descent of one unit per step."""
@@ -150,15 +193,16 @@ class Probe:
         return self._present[i - 1] * self.u if i else 0
 
 
-def needed_from(g: GroupGeometry, hit: int) -> int:
-    """First page of an attention group that a request resuming at `hit` needs (7.8)."""
-    if not g.cacheable or hit == 0:
-        return -(-hit // g.page_size)
-    if g.kind == "sliding":
-        assert g.window is not None
-        return max(0, hit - g.window + 1) // g.page_size
-    if g.kind == "chunked":
-        assert g.chunk is not None
-        lo = hit // g.chunk * g.chunk
-        return -(-hit // g.page_size) if lo == hit else lo // g.page_size
-    return 0
+_PROBES: dict[str, type[Probe]] = {
+    "full": FullProbe,
+    "sliding": WindowProbe,
+    "chunked": WindowProbe,
+    "recurrent": StateProbe,
+}
+
+
+def make_probe(
+    g: GroupGeometry, keys: Container[bytes], hashes: list[bytes], u: int, nu: int
+) -> Probe:
+    """The acceptance test of group `g` for one request's chain over one key set."""
+    return _PROBES[g.kind](g, keys, hashes, u, nu)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kvreuse.core.acceptance import needed_from
 from kvreuse.core.config import Geometry
 from kvreuse.core.ledger import PlannedSave, PlanRecord
 from kvreuse.core.lookup import LookupResult
@@ -50,7 +49,7 @@ def admission_required(
             B = g.page_size
             total = -(-(end + extra) // B)
             if g.cacheable:
-                copy = 1 if h % B and needed_from(g, h) <= h // B else 0
+                copy = 1 if h % B and g.needed_from(h) <= h // B else 0
                 required += total - (-(-h // B)) + copy
             else:
                 required += total - h // B

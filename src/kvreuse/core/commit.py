@@ -135,17 +135,16 @@ def _publish_attention(geo: Geometry, pool: BlockPool, req: RequestState, gid: i
     if e <= d:
         return
     page = geo.groups[gid].page_size
-    done = pool.publish_run(gid, range(d + u, e + 1, u), req.chain.hashes, req.tables[gid], page)
+    bounds = range(d + u, e + 1, u)
+    k0 = (d + u) // u  # H[k0] keys the first boundary
+    keys = req.chain.hashes[k0 : k0 + len(bounds)]
+    row = req.tables[gid]
+    if page == u:  # one boundary per page: the pages are a plain slice of the table
+        blocks = row[k0 - 1 : k0 - 1 + len(bounds)]
+    else:
+        blocks = [row[(b - 1) // page] for b in bounds]
+    pool.publish(gid, bounds, keys, blocks, req)
     req.processed[gid] = e // u * u
-    if done and pool.events.enabled:
-        # One BlockStored per maximal run of consecutive boundaries: a skipped duplicate or
-        # NULL page ends a run.
-        start = 0
-        for i in range(1, len(done)):
-            if done[i] - done[i - 1] != u:
-                pool.events.stored(req, gid, done[start:i])
-                start = i
-        pool.events.stored(req, gid, done[start:])
 
 
 def _settle_saves(
@@ -165,22 +164,29 @@ def _settle_saves(
     t_new, saved = outcome.t_new, outcome.saved_positions
     u = geo.hash_unit
     nu = req.chain.num_units * u
-    M = geo.groups[gid].page_size
     held = req.recurrent[gid].held
-    hashes = req.chain.hashes
-    run: list[int] = []
+    ordered = sorted(saves)
+    # Every valid planned save is published in one call, in position order: of two saves at
+    # one position, the first publishes and the second finds its key present.
+    tries = [
+        (c, blk)
+        for _, c, blk, _, planned in ordered
+        if planned and c <= nu and c <= t_new and (saved is None or c in saved)
+    ]
+    won: set[int] = set()
+    if tries:
+        hashes = req.chain.hashes
+        positions = [c for c, _ in tries]
+        keys = [hashes[c // u] for c in positions]
+        won.update(pool.publish(gid, positions, keys, [blk for _, blk in tries], req))
     dropped: list[int] = []
-    for _, c, blk, rolling, planned in sorted(saves):
+    for _, c, blk, rolling, planned in ordered:
         valid = c <= t_new and (saved is None or c in saved)
-        published = False
-        if valid and planned and c <= nu:
-            published = pool.publish(gid, c, hashes[c // u], blk)
+        published = valid and planned and c in won
         if published:
+            won.discard(c)  # a later save at the same position was not published
             req.published_states[gid].append(c)
             counters["saves_published"] += 1
-            if run and (c - 1) // M * M != run[-1]:
-                _flush(pool, req, gid, run)
-            run.append(c)
         if valid and rolling:
             held[c] = blk  # the pending reference becomes the held reference
             if not published:
@@ -189,14 +195,7 @@ def _settle_saves(
             dropped.append(blk)
             if not published:
                 counters["saves_discarded"] += 1
-    _flush(pool, req, gid, run)
     release.extend(dropped)
-
-
-def _flush(pool: BlockPool, req: RequestState, gid: int, run: list[int]) -> None:
-    if run and pool.events.enabled:
-        pool.events.stored(req, gid, list(run))
-    run.clear()
 
 
 def _keep_rolling(
@@ -218,12 +217,7 @@ def _window_free(
     """10.5: sliding and chunked groups drop pages no later token can attend to."""
     g = geo.groups[gid]
     B = g.page_size
-    if g.kind == "sliding":
-        assert g.window is not None
-        limit = t_new - g.window + 1
-    else:
-        assert g.chunk is not None
-        limit = t_new // g.chunk * g.chunk
+    limit = g.attend_from(t_new)  # later tokens attend from here on: pages below it are dead
     row = req.tables[gid]
     top = min(limit // B, len(row))
     lo = req.window_lo.get(gid, 0)
@@ -264,10 +258,10 @@ def release_request(
     saves: dict[int, list[int]] = {}
     for rec in dropped:
         c, s = pending_refs(rec)
-        for g, blocks in c.items():
-            copies.setdefault(g, []).extend(blocks)
-        for g, blocks in s.items():
-            saves.setdefault(g, []).extend(blocks)
+        for gid, blocks in c.items():
+            copies.setdefault(gid, []).extend(blocks)
+        for gid, blocks in s.items():
+            saves.setdefault(gid, []).extend(blocks)
         counters["saves_discarded"] += len(rec.saves)
     if req.phase is Phase.RUNNING and geo.caching_enabled:
         _publish_finish_state(geo, pool, counters, req)
@@ -303,10 +297,8 @@ def _publish_finish_state(
         blk = slots.held.get(phi)
         if blk is None:
             continue
-        if pool.publish(gid, phi, req.chain.hashes[phi // geo.hash_unit], blk):
+        if pool.publish(gid, [phi], [req.chain.hashes[phi // geo.hash_unit]], [blk], req):
             counters["saves_published"] += 1
-            if pool.events.enabled:
-                pool.events.stored(req, gid, [phi])
 
 
 def settle_outcomes(

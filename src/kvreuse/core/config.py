@@ -41,7 +41,7 @@ class GroupSpec:
     state_scratch_blocks: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class GroupGeometry:
     """A group resolved against the configuration: `page_size` is B_g after DCP scaling."""
 
@@ -65,6 +65,26 @@ class GroupGeometry:
     def is_draft(self) -> bool:
         return self.role == "draft"
 
+    def attend_from(self, x: int) -> int:
+        """The first position the token at `x` attends to in this group: 0 for full attention,
+        x − W + 1 (not below 0) for a sliding window, the chunk start ⌊x/C⌋·C for chunked."""
+        if self.kind == "sliding":
+            return max(0, x - self.window + 1)  # type: ignore[operator]  # set by V3
+        if self.kind == "chunked":
+            return x // self.chunk * self.chunk  # type: ignore[operator]  # set by V3
+        return 0
+
+    def needed_from(self, hit: int) -> int:
+        """The first page a request resuming at `hit` needs (spec §7.8); pages below it may be
+        NULL in its table. A non-cacheable group needs every page, computed again."""
+        B = self.page_size
+        if not self.cacheable or hit == 0:
+            return -(-hit // B)
+        lo = self.attend_from(hit)
+        if self.kind == "chunked" and lo == hit:
+            return -(-hit // B)  # a chunk starts at the hit: nothing before it is needed
+        return lo // B
+
     def describe(self) -> str:
         if self.sharded and self.page_size != self.block_size:
             size = f"{self.block_size} × dcp {self.page_size // self.block_size} = {self.page_size}"
@@ -73,7 +93,7 @@ class GroupGeometry:
         return f"group {self.group_id} ({self.kind}, {size} tokens)"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Geometry:
     """Numbers derived once from a `CacheConfig` (notation of spec §2)."""
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvreuse.core.hashing import unit_extra_keys
+from kvreuse.core.kinds import EntryKind, entry_kind
 
 if TYPE_CHECKING:
     from kvreuse.core.config import Geometry
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 class StoredEntry:
     hash: bytes
     boundary: int
-    kind: str
+    kind: EntryKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +53,7 @@ class BlockRemoved:
     group_id: int
     hash: bytes
     boundary: int
-    kind: str
+    kind: EntryKind
     cause: str = "evicted"
     type: Literal["BlockRemoved"] = "BlockRemoved"
 
@@ -88,10 +89,11 @@ class EventLog:
         self.pending.append(record)
 
     def stored(self, req: RequestState, group_id: int, boundaries: list[int]) -> None:
+        """One BlockStored for one run (see `stored_runs`) that `req` published."""
         self.seq += 1
         self._push(("S", self.seq, req, group_id, boundaries))
 
-    def removed(self, group_id: int, key: bytes, boundary: int, kind: str) -> None:
+    def removed(self, group_id: int, key: bytes, boundary: int, kind: EntryKind) -> None:
         self.seq += 1
         self._push(("R", self.seq, group_id, key, boundary, kind))
 
@@ -105,6 +107,34 @@ class EventLog:
         return out
 
 
+def stored_runs(boundaries: list[int], hash_unit: int, state_page: int) -> list[list[int]]:
+    """The runs of one publication that each get one BlockStored (ascending boundaries).
+
+    A BlockStored carries the tokens from its run's first page to its last boundary, so a run
+    is a maximal sequence of entries whose tokens join up. Attention entries (`state_page` 0)
+    join when they are one hash unit apart: a skipped duplicate or NULL page ends a run.
+    Recurrent states join when a state's page of `state_page` tokens starts at the previous
+    state.
+    """
+    n = len(boundaries)
+    if n == 1 or (not state_page and boundaries[-1] - boundaries[0] == (n - 1) * hash_unit):
+        # Ascending multiples of the unit span (n - 1) units only if no unit is skipped: the
+        # whole publication of a commit is usually one run, found without a pass.
+        return [boundaries[:]]
+    runs: list[list[int]] = []
+    start = 0
+    prev = boundaries[0]
+    for i in range(1, len(boundaries)):
+        b = boundaries[i]
+        joined = (b - 1) // state_page * state_page == prev if state_page else b - prev == hash_unit
+        if not joined:
+            runs.append(boundaries[start:i])
+            start = i
+        prev = b
+    runs.append(boundaries[start:])
+    return runs
+
+
 def _build(geo: Geometry, r: tuple[Any, ...]) -> Event:
     if r[0] == "R":
         return BlockRemoved(seq=r[1], group_id=r[2], hash=r[3], boundary=r[4], kind=r[5])
@@ -114,9 +144,8 @@ def _build(geo: Geometry, r: tuple[Any, ...]) -> Event:
     g = geo.groups[gid]
     u, lookahead, page = geo.hash_unit, geo.lookahead, g.page_size
     hashes = req.chain.hashes
-    entries = tuple(
-        StoredEntry(hashes[b // u], b, _kind(g.is_attention, b, page)) for b in boundaries
-    )
+    kind_page = page if g.is_attention else 0  # entry_kind's page: 0 for recurrent states
+    entries = tuple(StoredEntry(hashes[b // u], b, entry_kind(kind_page, b)) for b in boundaries)
     start = (boundaries[0] - 1) // page * page
     last = boundaries[-1]
     tokens = req.tokens
@@ -147,9 +176,3 @@ def _build(geo: Geometry, r: tuple[Any, ...]) -> Event:
         extra_keys=extra,
         lora=req.lora,
     )
-
-
-def _kind(is_attention: bool, boundary: int, page: int) -> str:
-    if not is_attention:
-        return "state"
-    return "full" if boundary % page == 0 else "partial"

@@ -3,70 +3,116 @@
 Keys are kept per group, keyed by the chain hash itself, so the hot paths (every eviction adds
 a key, every publication removes one) allocate no tuple. Each value packs an insertion sequence
 number and the boundary into one int; with several groups the oldest key overall is the group
-head with the smallest sequence number.
+head with the smallest sequence number. The record is changed only through its methods, which
+keep the size and the sequence number consistent with the per-group dicts.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
-GHOST_SHIFT = 32  # value = seq << 32 | boundary (boundaries stay below 2³¹)
-_MASK = (1 << GHOST_SHIFT) - 1
+_SHIFT = 32  # value = seq << 32 | boundary (boundaries stay below 2³¹)
+_MASK = (1 << _SHIFT) - 1
 
 
 class GhostRecord:
-    __slots__ = ("by_group", "capacity", "seq", "size")
+    """Evicted (group, key) pairs with their boundary, oldest first, at most `capacity`."""
+
+    __slots__ = ("_by_group", "_capacity", "_seq", "_size")
 
     def __init__(self, num_groups: int, capacity: int) -> None:
-        self.by_group: list[OrderedDict[bytes, int]] = [OrderedDict() for _ in range(num_groups)]
-        self.capacity = capacity
-        self.size = 0
-        self.seq = 0
+        self._by_group: list[OrderedDict[bytes, int]] = [OrderedDict() for _ in range(num_groups)]
+        self._capacity = capacity
+        self._size = 0
+        self._seq = 0
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
 
     def __len__(self) -> int:
-        return self.size
+        return self._size
 
     def __bool__(self) -> bool:
-        return self.size > 0
+        return self._size > 0
 
     def __contains__(self, item: object) -> bool:
-        g, key = item  # type: ignore[misc]
-        return key in self.by_group[g]
+        """`(group_id, key) in ghost`."""
+        if not isinstance(item, tuple) or len(item) != 2:
+            return False
+        return item[1] in self._by_group[item[0]]
+
+    def contains(self, group_id: int, key: bytes) -> bool:
+        return key in self._by_group[group_id]
 
     def add(self, group_id: int, key: bytes, boundary: int) -> None:
-        if not self.capacity:
+        """Remember one evicted key."""
+        self.add_many(((group_id, key, boundary),))
+
+    def add_many(self, evicted: Iterable[tuple[int, bytes, int]]) -> None:
+        """Remember evicted (group_id, key, boundary) triples, oldest first; trim once.
+
+        Trimming after the batch keeps the same keys as trimming after each add: the record
+        keeps the newest `capacity` keys either way. An evicted key is never in the record
+        (publishing it removed it), so each triple adds one key.
+        """
+        if not self._capacity:
             return
-        self.seq += 1
-        self.by_group[group_id][key] = self.seq << GHOST_SHIFT | boundary
-        self.size += 1
-        if self.size > self.capacity:
-            self.trim()
+        groups = self._by_group
+        seq = self._seq
+        start = seq
+        if len(groups) == 1:  # the common model: one group, one dict
+            d = groups[0]
+            for _, key, boundary in evicted:
+                seq += 1
+                d[key] = seq << _SHIFT | boundary
+        else:
+            for g, key, boundary in evicted:
+                seq += 1
+                groups[g][key] = seq << _SHIFT | boundary
+        self._seq = seq
+        self._size += seq - start
+        if self._size > self._capacity:
+            self._trim()
 
     def discard(self, group_id: int, key: bytes) -> None:
         """A key leaves the record when it is published again."""
-        if self.by_group[group_id].pop(key, None) is not None:
-            self.size -= 1
+        if self._size and self._by_group[group_id].pop(key, None) is not None:
+            self._size -= 1
 
-    def trim(self) -> None:
+    def discard_many(self, group_id: int, keys: Sequence[bytes]) -> None:
+        """`discard` of each key: a publication removes the keys it made resident again."""
+        d = self._by_group[group_id]
+        if not d:
+            return
+        if len(keys) < 8:  # a decode step's publication: cheaper than building a set
+            gone = [key for key in keys if d.pop(key, None) is not None]
+        else:  # a prefill's: one C-level intersection
+            gone = list(d.keys() & set(keys))
+            for key in gone:
+                del d[key]
+        self._size -= len(gone)
+
+    def _trim(self) -> None:
         """Drop the oldest keys until the record fits its capacity."""
-        groups = self.by_group
-        while self.size > self.capacity:
+        groups = self._by_group
+        while self._size > self._capacity:
             if len(groups) == 1:
                 groups[0].popitem(last=False)
             else:
                 oldest = min((next(iter(d.values())), g) for g, d in enumerate(groups) if d)[1]
                 groups[oldest].popitem(last=False)
-            self.size -= 1
+            self._size -= 1
 
     def clear(self) -> None:
-        for d in self.by_group:
+        for d in self._by_group:
             d.clear()
-        self.size = 0
+        self._size = 0
 
     def entries(self) -> list[tuple[int, int, bytes]]:
         """(group_id, boundary, hash), oldest first."""
-        rows = [(v, g, k) for g, d in enumerate(self.by_group) for k, v in d.items()]
+        rows = [(v, g, k) for g, d in enumerate(self._by_group) for k, v in d.items()]
         rows.sort()
         return [(g, v & _MASK, k) for v, g, k in rows]
 

@@ -19,6 +19,7 @@ import sys
 import warnings
 from array import array
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 HASH_ALGOS = ("sha256", "xxh3_128", "blake3")
@@ -34,11 +35,15 @@ Lora = tuple[str, str]
 
 
 class MMItem(Protocol):
-    """A multimodal placeholder range; ``identifier`` names its *content*, not its location."""
+    """A multimodal placeholder range; ``identifier`` names its *content*, not its location.
+    Read-only members: a frozen dataclass (``MultiModalItem``) is one."""
 
-    identifier: str | bytes
-    offset: int
-    length: int
+    @property
+    def identifier(self) -> str | bytes: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def length(self) -> int: ...
 
 
 class TokenArray(tuple[int, ...]):
@@ -226,13 +231,43 @@ def unit_extra_keys(
     return base + mm + (salt if k == 1 else ())
 
 
+@dataclass(frozen=True, slots=True)
+class UnitTemplate:
+    """The constant pieces of ``enc(("kvr/unit", parent, Tok(unit), Tok(successors), X_k))``.
+
+    Built once per configuration by `Hasher` and held by every chain, so `Chain.extend` splices
+    each unit's message from them instead of encoding the 5-tuple per unit:
+
+        pre | parent | mid | unit tokens | la_hdr | successor tokens | enc(X_k)
+    """
+
+    hash_unit: int
+    lookahead: int
+    root: bytes  # H[0], the parent of unit 1
+    pre: bytes  # tuple header, enc("kvr/unit"), the parent's bytes header
+    mid: bytes  # the unit's token-array header
+    la_hdr: bytes  # the successors' token-array header
+    unit_struct: struct.Struct  # one unit's token bytes, for C-level per-unit slicing
+    ctor: Callable[[bytes], Any] | None  # inlined as ctor(m).digest() when set
+    digest: Callable[[bytes], bytes]
+
+
 class Chain:
     """Incremental hash chain of ONE request: ``hashes[k] == H[k]``, ``hashes[0]`` the root.
 
     Units are hashed once, in order, as tokens arrive; a prefix is never rehashed.
     """
 
-    __slots__ = ("_base", "_mm", "_salt", "_special_max", "_xdef", "hasher", "hashes", "num_units")
+    __slots__ = (
+        "_base",
+        "_mm",
+        "_salt",
+        "_special_max",
+        "_xdef",
+        "hashes",
+        "num_units",
+        "template",
+    )
 
     def __init__(
         self,
@@ -243,13 +278,13 @@ class Chain:
         cache_salt: str | None = None,
     ) -> None:
         self._base, items, self._salt = _prepare(lora, mm_items, cache_salt)
-        self.hasher = hasher
-        self.hashes: list[bytes] = [hasher.root]
+        self.template = t = hasher.template
+        self.hashes: list[bytes] = [t.root]
         # n, the number of hashed units (len(hashes) - 1): the chain proves nothing beyond n*u
         # tokens. A plain attribute, kept by `extend`: it is read several times per step.
         self.num_units = 0
         self._xdef = enc(self._base)  # X_k of every unit without mm keys or salt
-        u, la = hasher.hash_unit, hasher.lookahead
+        u, la = t.hash_unit, t.lookahead
         # unit -> its mm keys, built once; items are in canonical order, so each list is too.
         self._mm: dict[int, list[tuple]] = {}
         for it in items:
@@ -271,8 +306,8 @@ class Chain:
 
         ``tokens`` is the request's full sequence so far, already validated by the caller.
         """
-        h = self.hasher
-        u, la = h.hash_unit, h.lookahead
+        t = self.template
+        u, la = t.hash_unit, t.lookahead
         n0 = len(self.hashes) - 1
         n = (len(tokens) - la) // u
         if n <= n0:
@@ -285,8 +320,8 @@ class Chain:
         # General path: units whose X_k varies (salt, mm), and every unit in lookahead mode.
         k_end = n if la else max(n0, min(n, self._special_max))
         if k_end > n0:
-            digest, xenc, xdef, smax = h.digest, self._xenc, self._xdef, self._special_max
-            parts = [h._pre, last, h._mid, b"", h._la_hdr, b"", b""]
+            digest, xenc, xdef, smax = t.digest, self._xenc, self._xdef, self._special_max
+            parts = [t.pre, last, t.mid, b"", t.la_hdr, b"", b""]
             for k, i in enumerate(range(0, (k_end - n0) * step, step), n0 + 1):
                 j = i + step
                 parts[1], parts[3], parts[5] = last, tb[i:j], tb[j : j + lstep]
@@ -297,16 +332,16 @@ class Chain:
             self.num_units = n
             return n
         # Fast path (L = 0, constant X_k): only the parent and the unit's tokens change.
-        parts = [h._pre, last, h._mid, b"", h._la_hdr + self._xdef]
-        units = h._unit_struct.iter_unpack(memoryview(tb)[(k_end - n0) * step : (n - n0) * step])
-        ctor = h._ctor
+        parts = [t.pre, last, t.mid, b"", t.la_hdr + self._xdef]
+        units = t.unit_struct.iter_unpack(memoryview(tb)[(k_end - n0) * step : (n - n0) * step])
+        ctor = t.ctor
         if ctor is not None:
             for (parts[3],) in units:
                 parts[1] = last
                 last = ctor(join(parts)).digest()
                 ap(last)
         else:
-            digest = h.digest
+            digest = t.digest
             for (parts[3],) in units:
                 parts[1] = last
                 last = digest(join(parts))
@@ -318,8 +353,9 @@ class Chain:
 class Hasher:
     """Per-configuration hashing (algorithm, unit u, lookahead L, seed); builds chains.
 
-    Holds the root and the constant byte pieces of ``enc(("kvr/unit", parent, Tok, Tok, X))``,
-    computed once per configuration instead of once per unit.
+    Holds the root and the `UnitTemplate` (the constant byte pieces of
+    ``enc(("kvr/unit", parent, Tok, Tok, X))``), computed once per configuration instead of
+    once per unit.
     """
 
     def __init__(
@@ -338,14 +374,19 @@ class Hasher:
         if seed is not None and not isinstance(seed, str | bytes):
             raise TypeError("hash_seed must be str, bytes or None")
         self.algo, self.hash_unit, self.lookahead = algo, hash_unit, lookahead
-        self._ctor, self.digest = _digest_parts(algo)
-        self.root: bytes = root_hash(algo, hash_unit, lookahead, seed)
-        # enc of the 5-tuple around its variable parts:
-        # _pre | parent | _mid | unit tokens | _la_hdr | successor tokens | enc(X_k)
-        self._pre = b"\x04" + _u64(5) + enc("kvr/unit") + b"\x02" + _u64(len(self.root))
-        self._mid = b"\x05" + _u64(hash_unit)
-        self._la_hdr = b"\x05" + _u64(lookahead)
-        self._unit_struct = struct.Struct(f"{4 * hash_unit}s")  # C-level per-unit slicing
+        self.root = root = root_hash(algo, hash_unit, lookahead, seed)
+        ctor, self.digest = _digest_parts(algo)
+        self.template = UnitTemplate(
+            hash_unit=hash_unit,
+            lookahead=lookahead,
+            root=root,
+            pre=b"\x04" + _u64(5) + enc("kvr/unit") + b"\x02" + _u64(len(root)),
+            mid=b"\x05" + _u64(hash_unit),
+            la_hdr=b"\x05" + _u64(lookahead),
+            unit_struct=struct.Struct(f"{4 * hash_unit}s"),
+            ctor=ctor,
+            digest=self.digest,
+        )
 
     def chain(
         self,

@@ -88,9 +88,9 @@ def audit(
     ghost = pool.ghost
     if len(ghost) > pool.ghost_capacity:
         _fail("I12", f"ghost holds {len(ghost)} > capacity {pool.ghost_capacity}")
-    for g, key in ghost:
-        if key in pool.index[g]:
-            _fail("I12", f"a key of group {g} is both in the index and the ghost record")
+    for gid, key in ghost:
+        if key in pool.index[gid]:
+            _fail("I12", f"a key of group {gid} is both in the index and the ghost record")
 
 
 def _check_position(geo: Geometry, pool: BlockPool, gid: int, j: int, b: int) -> None:
@@ -115,28 +115,28 @@ def _check_index(
         keys = pool.key_list(b)
         if not keys:
             continue
-        g = pool.group[b]
-        if g < 0:
+        gid = pool.group[b]
+        if gid < 0:
             _fail("I5", f"keyed block {b} has no group")
-        grp = geo.groups[g]
-        limit = grp.page_size // u if grp.is_attention else 1
+        g = geo.groups[gid]
+        limit = g.page_size // u if g.is_attention else 1
         if len(keys) > limit:
             _fail("I5", f"block {b} carries {len(keys)} keys > {limit}")
-        if holders.get(b, {g}) != {g}:
-            _fail("I5", f"block {b} keyed in group {g} is held by groups {holders[b]}")
+        if holders.get(b, {gid}) != {gid}:
+            _fail("I5", f"block {b} keyed in group {gid} is held by groups {holders[b]}")
         for bd, key in keys:
             seen += 1
-            if pool.index[g].get(key) != b:
+            if pool.index[gid].get(key) != b:
                 _fail(
-                    "I4", f"block {b} carries a key of group {g} at {bd} the index maps elsewhere"
+                    "I4", f"block {b} carries a key of group {gid} at {bd} the index maps elsewhere"
                 )
     total = sum(len(idx) for idx in pool.index)
     if total != seen:
         _fail("I4", f"the index holds {total} keys but blocks carry {seen}")
     for (gid, b), count in table_holders.items():
-        g = geo.groups[gid]
-        if count >= 2 and g.is_attention:
-            page_ends = [bd for bd, _ in pool.key_list(b) if bd % g.page_size == 0]
+        page = geo.groups[gid].page_size
+        if count >= 2 and geo.groups[gid].is_attention:
+            page_ends = [bd for bd, _ in pool.key_list(b) if bd % page == 0]
             if not page_ends:
                 _fail("I9", f"block {b} is shared by {count} tables without its full key")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
-from kvreuse.core.acceptance import Probe, needed_from
+from kvreuse.core.acceptance import Probe, make_probe
 from kvreuse.core.config import Geometry
 from kvreuse.core.pool import NULL
 
@@ -91,19 +91,18 @@ class LookupResult:
             f"(n = {self.n} units), reason {self.reason}",
             f"  bounds: A1 full={a1}  A2 +margin={a2}  A3 non-recurrent={a3}  A4 all={a4}",
         ]
-        for g, m in sorted(self.group_limits.items()):
+        for gid, m in sorted(self.group_limits.items()):
             limiting = "  <- limits the hit" if m == self.hit and m < self.top else ""
-            lines.append(f"  group {g}: largest accepted candidate ≤ top = {m}{limiting}")
+            lines.append(f"  group {gid}: largest accepted candidate ≤ top = {m}{limiting}")
         if self.junction is not None:
             lines.append(f"  junction {self.junction}: states will be saved there")
-        for g, src in sorted(self.copy_src.items()):
+        for gid, src in sorted(self.copy_src.items()):
             if src is not None:
-                lines.append(
-                    f"  group {g}: the page holding token {self.hit - 1} is copied from block {src}"
-                )
-        for g, src in sorted(self.state_src.items()):
+                page = f"the page holding token {self.hit - 1}"
+                lines.append(f"  group {gid}: {page} is copied from block {src}")
+        for gid, src in sorted(self.state_src.items()):
             if src is not None:
-                lines.append(f"  group {g}: state at {self.hit} copied from block {src}")
+                lines.append(f"  group {gid}: state at {self.hit} copied from block {src}")
         if self.pending_hit > self.hit:
             lines.append(f"  pending_hit {self.pending_hit}: another request is computing more")
         return "\n".join(lines)
@@ -182,7 +181,7 @@ def _probes(
     geo: Geometry, keysets: Sequence[Container[bytes]], hashes: list[bytes], nu: int
 ) -> dict[int, Probe]:
     u = geo.hash_unit
-    return {g.group_id: Probe(g, keysets[g.group_id], hashes, u, nu) for g in geo.cacheable}
+    return {g.group_id: make_probe(g, keysets[g.group_id], hashes, u, nu) for g in geo.cacheable}
 
 
 def compute_lookup(
@@ -265,7 +264,7 @@ def _slots(
             state_src[g.group_id] = idx[hashes[hit // u]] if hit else None
             continue
         B = g.page_size
-        first = needed_from(g, hit)
+        first = g.needed_from(hit)
         full_pages = hit // B
         row = [NULL] * first
         k = B // u  # units per page: the full key of page j is H[(j + 1)·k]

@@ -271,9 +271,7 @@ class KVCacheManager:
         """Drop every key if no block is in use (spec §11.6)."""
         if self.pool.num_free != self.pool.num_blocks - 1:
             return False
-        self.pool.clear_keys()
-        if self.events.enabled:
-            self.events.cleared()
+        self.pool.clear_keys()  # the pool records AllBlocksCleared
         self.epoch += 1
         return True
 

@@ -39,7 +39,7 @@ class RecurrentSlot:
     init: Literal["zero", "copy", "keep"]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class RequestPlan:
     """One request's share of a step: compute positions [start, start + num_new_tokens).
 

@@ -11,8 +11,8 @@ never queued, so it doubles as the list's sentinel:
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -42,8 +42,30 @@ class EvictionPolicy(Protocol):
     def pop(self) -> int:
         """The next block to hand out. Raises IndexError when empty."""
 
+    def pop_many(self, count: int) -> list[int]:
+        """The next `count` blocks, in the order `pop` would hand them out.
+
+        Optional for a custom policy: the pool falls back to `pop` × count (see
+        `pop_many_of`). A policy that can unlink a run at once defines it, because the pool
+        takes every page of an admission in one call.
+        """
+        return [self.pop() for _ in range(count)]
+
     def __len__(self) -> int: ...
     def __contains__(self, block_id: object) -> bool: ...
+
+
+def pop_many_of(policy: Any) -> Callable[[int], list[int]]:
+    """`policy.pop_many`, or `pop` × count for a policy that does not define it."""
+    bound = getattr(policy, "pop_many", None)
+    if callable(bound):
+        return bound
+    pop = policy.pop
+
+    def pop_many(count: int) -> list[int]:
+        return [pop() for _ in range(count)]
+
+    return pop_many
 
 
 class LRUPolicy:

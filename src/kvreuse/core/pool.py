@@ -11,22 +11,30 @@ A block's highest key is stored inline (`_key1`/`_b1`, so `_b1` is also the boun
 order sorts by); only blocks with several keys (sub-page entries of a large page) keep the lower
 ones in a list. The index maps, per group, chain hash → block id. Arrays are 32-bit: block ids
 and token positions stay below 2³¹.
+
+Each rule has one home here: a key enters the index only through `publish`, leaves it only
+through `_evict_keys` (or all at once through `clear_keys`), and each of them records its own
+events, so the event log mirrors the index by construction.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from kvreuse.core.ghost import GHOST_SHIFT, GhostRecord
-from kvreuse.core.policy import EvictionPolicy, LRUPolicy
+from kvreuse.core.events import stored_runs
+from kvreuse.core.ghost import GhostRecord
+from kvreuse.core.kinds import EntryKind, count_entry_kinds, entry_kind
+from kvreuse.core.policy import EvictionPolicy, LRUPolicy, pop_many_of
 
 if TYPE_CHECKING:
     from kvreuse.core.config import CacheConfig, Geometry
     from kvreuse.core.events import EventLog
+    from kvreuse.core.request import RequestState
 
 NULL = 0
+_FULL = EntryKind.FULL
 
 
 class BlockPool:
@@ -44,20 +52,25 @@ class BlockPool:
         self._b1 = array("i", bytes(4 * n))
         self._more: dict[int, list[tuple[int, bytes]]] = {}
         # release_seq is only read by custom policies (§11.4); LRU does not pay for it.
-        self._lru = cfg.eviction_policy == "lru"
-        self._release_seq = None if self._lru else array("q", bytes(8 * n))
+        factory = cfg.eviction_policy  # "lru" (the only name config accepts) or a factory
+        self._release_seq = None if isinstance(factory, str) else array("q", bytes(8 * n))
         self._batch = 0
         self.index: list[dict[bytes, int]] = [{} for _ in geo.groups]
         self.ghost = GhostRecord(len(geo.groups), geo.ghost_capacity)
         self.ghost_capacity = geo.ghost_capacity
+        self._unit = geo.hash_unit
+        # Per group: the page size `entry_kind` takes (0: recurrent states) and the state page
+        # that joins BlockStored runs of states (0: attention).
         self._full_page = [g.page_size if g.is_attention else 0 for g in geo.groups]
+        self._state_page = [0 if g.is_attention else g.page_size for g in geo.groups]
         self.num_evicted_blocks = 0
         self.num_removed_keys = 0
-        self.num_published = {"full": 0, "partial": 0, "state": 0}
-        if cfg.eviction_policy == "lru":
+        self.num_published: dict[str, int] = {kind.value: 0 for kind in EntryKind}
+        if isinstance(factory, str):
             self.policy: EvictionPolicy = LRUPolicy(n)
         else:
-            self.policy = cfg.eviction_policy(self)
+            self.policy = factory(self)
+        self._pop_many = pop_many_of(self.policy)
         self.policy.release(list(range(1, n)), [])
 
     # ------------------------------------------------------------------ PoolView
@@ -80,11 +93,8 @@ class BlockPool:
         return self._release_seq[block_id]
 
     # ------------------------------------------------------------------ keys
-    def kind_of(self, group_id: int, boundary: int) -> str:
-        page = self._full_page[group_id]
-        if not page:
-            return "state"
-        return "full" if boundary % page == 0 else "partial"
+    def kind_of(self, group_id: int, boundary: int) -> EntryKind:
+        return entry_kind(self._full_page[group_id], boundary)
 
     def key_list(self, block_id: int) -> list[tuple[int, bytes]]:
         """The keys of a block as (boundary, hash), ascending by boundary."""
@@ -98,21 +108,82 @@ class BlockPool:
     def has_keys(self, block_id: int) -> bool:
         return self._key1[block_id] is not None
 
-    def publish(self, group_id: int, boundary: int, key: bytes, block_id: int) -> bool:
-        """Key `block_id` at `boundary`; False (nothing changes) if the key already exists."""
-        idx = self.index[group_id]
-        if key in idx:
-            return False
-        idx[key] = block_id
-        self._attach(block_id, boundary, key)
-        self.group[block_id] = group_id
-        if self.ghost:
-            self.ghost.discard(group_id, key)
-        page = self._full_page[group_id]
-        self.num_published["state" if not page else "partial" if boundary % page else "full"] += 1
-        return True
+    def publish(
+        self,
+        group_id: int,
+        boundaries: Sequence[int],
+        keys: Sequence[bytes],
+        blocks: Sequence[int],
+        source: RequestState,
+    ) -> list[int]:
+        """Key `blocks[i]` at `boundaries[i]` (ascending) with `keys[i]`; the one publication.
+
+        Attention publication (many boundaries of one commit), settled recurrent saves and the
+        finish state all come here. A NULL block (a page that left its window) or a key already
+        in the index (the first publisher keeps it) is skipped. Returns the boundaries
+        published, ascending, and records their BlockStored events: `source` is the request
+        whose tokens and chain the events are built from when they are taken.
+        """
+        if self._full_page[group_id] == self._unit and NULL not in blocks:
+            # page = unit: one boundary per page; with no key present, the common case of a
+            # prefill of fresh pages, the index takes every key in one C-level update.
+            if self.index[group_id].keys().isdisjoint(keys):
+                done = self._publish_pages(group_id, boundaries, keys, blocks)
+            else:
+                done = self._publish_each(group_id, boundaries, keys, blocks)
+        else:
+            done = self._publish_each(group_id, boundaries, keys, blocks)
+        if done and self.events.enabled:
+            stored = self.events.stored
+            for run in stored_runs(done, self._unit, self._state_page[group_id]):
+                stored(source, group_id, run)
+        return done
+
+    def _publish_each(
+        self, group_id: int, boundaries: Sequence[int], keys: Sequence[bytes], blocks: Sequence[int]
+    ) -> list[int]:
+        """`publish`, one entry at a time: skips NULL blocks and keys already present."""
+        idx, key1, b1, group = self.index[group_id], self._key1, self._b1, self.group
+        done: list[int] = []
+        fresh: list[bytes] = []
+        for b, key, blk in zip(boundaries, keys, blocks, strict=True):
+            if not blk or key in idx:
+                continue
+            idx[key] = blk
+            if key1[blk] is None:
+                key1[blk] = key
+                b1[blk] = b
+            else:
+                self._attach(blk, b, key)
+            group[blk] = group_id
+            done.append(b)
+            fresh.append(key)
+        if fresh:
+            self.ghost.discard_many(group_id, fresh)
+            count_entry_kinds(self.num_published, self._full_page[group_id], done)
+        return done
+
+    def _publish_pages(
+        self, group_id: int, boundaries: Sequence[int], keys: Sequence[bytes], blocks: Sequence[int]
+    ) -> list[int]:
+        """`publish` when page = unit, no block is NULL and none of the keys exists.
+
+        The blocks are the request's own fresh pages (one boundary each, never keyed before),
+        so the index takes the keys in one C-level update and each block its single key, and
+        every entry ends its page: all are full.
+        """
+        self.index[group_id].update(zip(keys, blocks, strict=True))
+        key1, b1, group = self._key1, self._b1, self.group
+        for blk, key, b in zip(blocks, keys, boundaries, strict=True):
+            key1[blk] = key
+            b1[blk] = b
+            group[blk] = group_id
+        self.ghost.discard_many(group_id, keys)
+        self.num_published[_FULL] += len(keys)
+        return list(boundaries)
 
     def _attach(self, block_id: int, boundary: int, key: bytes) -> None:
+        """Add a key to a block that already carries one (sub-page entries of a large page)."""
         old = self._key1[block_id]
         if old is None:
             self._key1[block_id] = key
@@ -126,68 +197,6 @@ class BlockPool:
         else:
             more.append((boundary, key))
             more.sort()
-
-    def publish_run(
-        self, group_id: int, boundaries: range, hashes: list[bytes], row: list[int], page: int
-    ) -> list[int]:
-        """Publish each boundary b of `boundaries` on `row[(b-1)//page]` (attention, 10.3).
-
-        Skips NULL pages and existing keys; returns the boundaries published, ascending. This is
-        `publish` in a loop with the lookups hoisted out, because commit runs it per boundary.
-        """
-        idx, key1, b1, group = self.index[group_id], self._key1, self._b1, self.group
-        ghost = self.ghost
-        ghost_g = ghost.by_group[group_id]
-        u = boundaries.step
-        keys = hashes[boundaries.start // u : boundaries.stop // u + (boundaries.stop % u > 0)]
-        if page == u:  # every boundary is a page end: the pages are a plain slice of the row
-            blocks = row[boundaries.start // u - 1 : boundaries.start // u - 1 + len(keys)]
-            if NULL not in blocks and idx.keys().isdisjoint(keys):
-                return self._publish_pages(group_id, boundaries, keys, blocks)
-        else:
-            blocks = [row[(b - 1) // page] for b in boundaries]
-        done: list[int] = []
-        partial = 0
-        for b, key, blk in zip(boundaries, keys, blocks, strict=True):
-            if not blk or key in idx:
-                continue
-            idx[key] = blk
-            if key1[blk] is None:
-                key1[blk] = key
-                b1[blk] = b
-            else:
-                self._attach(blk, b, key)
-            group[blk] = group_id
-            if ghost_g and ghost_g.pop(key, None) is not None:
-                ghost.size -= 1
-            done.append(b)
-            partial += b % page != 0
-        self.num_published["partial"] += partial
-        self.num_published["full"] += len(done) - partial
-        return done
-
-    def _publish_pages(
-        self, group_id: int, boundaries: range, keys: list[bytes], blocks: list[int]
-    ) -> list[int]:
-        """`publish_run` when page = unit and none of the keys exists: one full key per block.
-
-        The blocks are the request's own fresh pages (one boundary each, never keyed before),
-        so the index takes the keys in one C-level update and each block its single key.
-        """
-        self.index[group_id].update(zip(keys, blocks, strict=True))
-        key1, b1, group = self._key1, self._b1, self.group
-        for blk, key, b in zip(blocks, keys, boundaries, strict=True):
-            key1[blk] = key
-            b1[blk] = b
-            group[blk] = group_id
-        ghost = self.ghost
-        ghost_g = ghost.by_group[group_id]
-        if ghost_g:
-            for key in ghost_g.keys() & set(keys):
-                del ghost_g[key]
-                ghost.size -= 1
-        self.num_published["full"] += len(keys)
-        return list(boundaries)
 
     # ------------------------------------------------------------------ references
     def adopt(self, block_id: int) -> None:
@@ -206,48 +215,14 @@ class BlockPool:
 
     def pop(self, group_id: int) -> int:
         """Hand out the policy's next block with count 1, evicting its keys first."""
-        block_id = self.policy.pop()
-        if self._key1[block_id] is not None:
-            self._evict_keys(block_id)
-        self.ref[block_id] = 1
-        self.group[block_id] = group_id
-        return block_id
+        return self.pop_many(group_id, 1)[0]
 
     def pop_many(self, group_id: int, count: int) -> list[int]:
-        """`pop` × count: the same blocks, order and evictions, with one unlink under LRU."""
+        """The policy's next `count` blocks, each with count 1, their keys evicted first."""
         if count <= 0:
             return []
-        if not self._lru:
-            return [self.pop(group_id) for _ in range(count)]
-        out = self.policy.pop_many(count)  # type: ignore[attr-defined]
-        key1, ref, group, b1 = self._key1, self.ref, self.group, self._b1
-        slow = self.events.enabled or bool(self._more)
-        ghost, index = self.ghost, self.index
-        ghosts = ghost.by_group if ghost.capacity else None
-        seq = ghost.seq
-        evicted = 0
-        for b in out:
-            key = key1[b]
-            if key is not None:
-                if slow:
-                    self._evict_keys(b)
-                else:  # one key, no events: `_evict_keys` inlined (the hot path under pressure)
-                    g = group[b]
-                    del index[g][key]
-                    if ghosts is not None:  # GhostRecord.add, trimmed once below
-                        seq += 1
-                        ghosts[g][key] = seq << GHOST_SHIFT | b1[b]
-                    key1[b] = None
-                    evicted += 1
-            ref[b] = 1
-            group[b] = group_id
-        if evicted:
-            self.num_removed_keys += evicted
-            self.num_evicted_blocks += evicted
-            if ghosts is not None:
-                ghost.seq = seq
-                ghost.size += evicted
-                ghost.trim()
+        out = self._pop_many(count)
+        self._evict_keys(out, group_id, 1)
         return out
 
     def release(self, ordered: Iterable[int]) -> None:
@@ -299,31 +274,48 @@ class BlockPool:
             raise ValueError(f"evict: block {block_id} is in use (ref {self.ref[block_id]})")
         if self._key1[block_id] is None:
             raise ValueError(f"evict: block {block_id} carries no key")
-        self._evict_keys(block_id)
-        self.group[block_id] = -1
+        self._evict_keys((block_id,), -1, 0)
 
-    def _evict_keys(self, block_id: int) -> None:
-        g = self.group[block_id]
-        idx = self.index[g]
-        events = self.events
-        add_ghost = self.ghost.add
-        more = self._more.pop(block_id, None)
-        pairs = (
-            [*more, (self._b1[block_id], self._key1[block_id])]
-            if more
-            else ((self._b1[block_id], self._key1[block_id]),)
-        )
-        for b, key in pairs:
-            del idx[key]
-            if events.enabled:
-                events.removed(g, key, b, self.kind_of(g, b))
-            add_ghost(g, key, b)
-            self.num_removed_keys += 1
-        self._key1[block_id] = None
-        self.num_evicted_blocks += 1
+    def _evict_keys(self, blocks: Iterable[int], group_id: int, ref_count: int) -> None:
+        """Evict every key of `blocks`, then give each block `group_id` and `ref_count`.
+
+        The one way a key is evicted: `pop_many` hands its blocks out (the popping group, count
+        1), a targeted `evict` leaves its block queued (no group, count 0). Each key leaves the
+        index for the ghost record with one BlockRemoved event, in block order and ascending
+        boundary within a block.
+        """
+        key1, b1, group, index, more_of = self._key1, self._b1, self.group, self.index, self._more
+        ref = self.ref
+        gone: list[tuple[int, bytes, int]] = []
+        num_blocks = 0
+        for b in blocks:
+            key = key1[b]
+            if key is not None:
+                g = group[b]
+                idx = index[g]
+                if more_of and b in more_of:  # the lower keys of a large page, ascending
+                    for bd, k in more_of.pop(b):
+                        del idx[k]
+                        gone.append((g, k, bd))
+                del idx[key]
+                gone.append((g, key, b1[b]))
+                key1[b] = None
+                num_blocks += 1
+            ref[b] = ref_count
+            group[b] = group_id
+        if not num_blocks:
+            return
+        if self.events.enabled:
+            removed, page = self.events.removed, self._full_page
+            for g, key, bd in gone:
+                removed(g, key, bd, entry_kind(page[g], bd))
+        self.ghost.add_many(gone)
+        self.num_removed_keys += len(gone)
+        self.num_evicted_blocks += num_blocks
 
     def clear_keys(self) -> None:
-        """`reset()`: drop every key and the ghost record; the queue order is untouched."""
+        """`reset()`: drop every key and the ghost record, recording AllBlocksCleared; the
+        queue order is untouched."""
         for idx in self.index:
             idx.clear()
         self.ghost.clear()
@@ -333,6 +325,8 @@ class BlockPool:
                 if self.ref[b] == 0:
                     self.group[b] = -1
         self._more.clear()
+        if self.events.enabled:
+            self.events.cleared()
 
     # ------------------------------------------------------------------ gauges
     @property
@@ -340,4 +334,4 @@ class BlockPool:
         return len(self.policy)
 
     def in_ghost(self, group_id: int, key: bytes) -> bool:
-        return key in self.ghost.by_group[group_id]
+        return self.ghost.contains(group_id, key)

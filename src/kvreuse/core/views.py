@@ -12,11 +12,11 @@ from kvreuse.core.request import Phase, RequestState
 
 def export_entries(pool: BlockPool) -> list[tuple[int, int, bytes, str, int]]:
     """(group_id, boundary, hash, kind, block_id) for every key of the index."""
-    out = []
+    out: list[tuple[int, int, bytes, str, int]] = []
     for b in range(1, pool.num_blocks):
         if pool.has_keys(b):
-            g = pool.group[b]
-            out.extend((g, bd, h, pool.kind_of(g, bd), b) for bd, h in pool.key_list(b))
+            gid = pool.group[b]
+            out.extend((gid, bd, h, pool.kind_of(gid, bd), b) for bd, h in pool.key_list(b))
     out.sort(key=lambda e: (e[0], e[1], e[4]))
     return out
 

@@ -12,13 +12,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvreuse.core import CacheConfig, KVCacheManager, Request
+from kvreuse.deployment import DeploymentSpec, resolve
 from kvreuse.engine.checkpoint import load_model
 from kvreuse.engine.config import LAYER_KINDS, ModelConfig
 from kvreuse.engine.model import TinyModel
 from kvreuse.engine.runner import ModelRunner
 from kvreuse.engine.sampling import SamplingParams
 from kvreuse.sched import Scheduler, Seq
-from kvreuse.sim.geometry import SimGeometry, preset
 from kvreuse.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 
@@ -56,7 +56,7 @@ class LLM:
     def __init__(
         self,
         model: str | None = None,
-        geometry: str | SimGeometry = "tiny-hybrid-dcp4",
+        geometry: DeploymentSpec = "tiny-hybrid-dcp4",
         *,
         num_blocks: int | None = None,
         enable_caching: bool = True,
@@ -65,7 +65,9 @@ class LLM:
         seed: int = 0,
         tokenizer: str | None = None,
     ) -> None:
-        geo = preset(geometry) if isinstance(geometry, str) else geometry
+        """`geometry`: a preset name, a TOML geometry file or a `Deployment`
+        (`kvreuse.deployment.resolve`); `num_blocks` overrides its cache size."""
+        geo = resolve(geometry)
         changes: dict[str, object] = {"enable_prefix_caching": enable_caching}
         if num_blocks is not None:
             changes["num_blocks"] = num_blocks

@@ -26,9 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvreuse.core import CacheConfig, RequestPlan
-from kvreuse.core.config import Geometry
-from kvreuse.core.plan import Copy
+from kvreuse.core import CacheConfig, Copy, Geometry, RequestPlan
 from kvreuse.engine.config import ModelConfig
 from kvreuse.engine.kernels import attention_partial, gated_scan, merge_partials
 
@@ -70,6 +68,7 @@ class PagedCache:
         self.kv: dict[str, tuple[Tensor, Tensor]] = {}
         self.state: dict[str, Tensor] = {}
         n = geo.num_blocks
+        shape: tuple[int, ...]  # [R, n, block, heads, dim] for attention, [n, heads, k, v] else
         for layer, gid in self.layer_group.items():
             g = geo.groups[gid]
             self.members.setdefault(gid, []).append(layer)

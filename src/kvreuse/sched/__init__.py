@@ -1,6 +1,28 @@
-"""`kvreuse.sched`: a continuous-batching scheduler over the core, and a fake engine."""
+"""`kvreuse.sched`: a continuous-batching scheduler over the core, and scripted engines for
+simulation and tests."""
 
-from kvreuse.sched.engine import FakeEngine, token_at
-from kvreuse.sched.scheduler import Scheduler, SchedulerConfig, Seq, StepStats
+from kvreuse.sched.engine import (
+    ContentTokens,
+    FakeEngine,
+    PositionalTokens,
+    ReplayTokens,
+    ScriptedEngine,
+    TokenSource,
+    token_at,
+)
+from kvreuse.sched.scheduler import Engine, Scheduler, SchedulerConfig, Seq, StepStats
 
-__all__ = ["FakeEngine", "Scheduler", "SchedulerConfig", "Seq", "StepStats", "token_at"]
+__all__ = [
+    "ContentTokens",
+    "Engine",
+    "FakeEngine",
+    "PositionalTokens",
+    "ReplayTokens",
+    "Scheduler",
+    "SchedulerConfig",
+    "ScriptedEngine",
+    "Seq",
+    "StepStats",
+    "TokenSource",
+    "token_at",
+]

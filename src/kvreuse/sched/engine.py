@@ -1,20 +1,40 @@
-"""A deterministic stand-in for a model engine, for simulation and tests.
+"""Scripted stand-ins for a model engine, for simulation and tests.
 
-Token t at position p of request r is a pure function of (r, p), so every run of the same
-workload generates the same tokens. Drafts (when a step verifies them) are accepted one by one
-with probability `accept_rate`, from a generator seeded by (seed, request, position). Recurrent
-states are written only at the end of a step, as a GPU engine does: the outcome reports exactly
-the saves at T′ (spec §9.7, E6).
+`ScriptedEngine` runs one step the way a GPU engine does (prefill chunks sample nothing, a
+decode step samples one token after the drafts it accepts, recurrent states are written at the
+end of the step) and takes the rest as parameters: where tokens come from, which saves it
+reports, how drafts are accepted. Every run of the same workload generates the same tokens.
+
+Token sources (`TokenSource`: the token at `position` of a sequence):
+
+    PositionalTokens   a pure function of (request id, position): CRC-32 of "id/position"
+    ContentTokens      a pure function of the tokens before the position (warm == cold)
+    ReplayTokens       a recorded output, replayed token by token
+
+`FakeEngine` is the simulator's and the scheduler tests' engine: positional tokens, drafts
+accepted with a seeded rate, the save at T′ only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 import zlib
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, Protocol
 
 from kvreuse.core import StepPlan
+from kvreuse.sched.scheduler import Seq
+
+SavePolicy = Literal["at_end", "up_to_end"]
+SAVE_POLICIES: tuple[SavePolicy, ...] = ("at_end", "up_to_end")
+
+
+class TokenSource(Protocol):
+    def __call__(self, seq: Seq, position: int, new: Sequence[int]) -> int:
+        """The token at `position` of `seq`; `new` holds the tokens this step already emitted
+        before it (positions seq.num_tokens .. position − 1: non-empty after accepted drafts)."""
+        ...
 
 
 def token_at(request_id: str, position: int, vocab: int = 32000) -> int:
@@ -22,33 +42,119 @@ def token_at(request_id: str, position: int, vocab: int = 32000) -> int:
     return zlib.crc32(f"{request_id}/{position}".encode()) % vocab
 
 
-class FakeEngine:
-    def __init__(self, accept_rate: float = 0.7, seed: int = 0, vocab: int = 32000) -> None:
+class PositionalTokens:
+    """`token_at(request id, position)`: independent of the content, so cheap and reproducible."""
+
+    def __init__(self, vocab: int = 32000) -> None:
+        self.vocab = vocab
+
+    def __call__(self, seq: Seq, position: int, new: Sequence[int]) -> int:
+        # token_at inlined: the simulator asks for one token per decode step
+        return zlib.crc32(f"{seq.request_id}/{position}".encode()) % self.vocab
+
+
+class ContentTokens:
+    """A lowercase ASCII letter (never end-of-sequence) hashed from the number of tokens before
+    the position and the last 64 of them: a warm request answers exactly like a cold one, as
+    greedy decoding of a real model does, and the text stays readable."""
+
+    def __call__(self, seq: Seq, position: int, new: Sequence[int]) -> int:
+        prompt, output = seq.request.prompt_token_ids, seq.output
+        # the last 64 tokens of prompt + output + new, without copying the whole sequence
+        tail = [*prompt[-64:], *output[-64:], *new[-64:]][-64:]
+        length = len(prompt) + len(output) + len(new)
+        text = f"{length}/{','.join(map(str, tail))}"
+        digest = hashlib.blake2b(text.encode(), digest_size=4).digest()
+        return 97 + int.from_bytes(digest, "big") % 26
+
+
+class ReplayTokens:
+    """Replays `outputs[request id]`: the k-th generated token is the k-th recorded one."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[str, list[int]] = {}
+
+    def __call__(self, seq: Seq, position: int, new: Sequence[int]) -> int:
+        return self.outputs[seq.request_id][len(seq.output) + len(new)]
+
+
+class ScriptedEngine:
+    """A deterministic engine: `tokens` says what is sampled, `saves` which saves are reported.
+
+    saves="at_end": only the save at T′, as an engine that writes recurrent states at the end of
+    a step reports them (spec §9.7, E6); "up_to_end": every save at or below T′.
+    Drafts a step verifies are accepted one by one with probability `accept_rate`, from a
+    generator seeded by (seed, request, position); at 0 every draft is rejected.
+
+    It replaces three engines that shared this loop and differed only here:
+
+    * the simulator's `FakeEngine`: positional tokens (vocab 32000), drafts accepted at a seeded
+      rate (0.7 by default), the save at T′ only;
+    * the fake server backend's engine: content tokens (letters), every draft rejected, the save
+      at T′ only;
+    * qualify's shadow replay: the server's recorded tokens, every draft rejected, every save at
+      or below T′ reported, and no count of forward tokens (all three count them now; nothing
+      read the shadow's).
+    """
+
+    def __init__(
+        self,
+        tokens: TokenSource,
+        saves: SavePolicy = "at_end",
+        accept_rate: float = 0.0,
+        seed: int = 0,
+    ) -> None:
         if not 0.0 <= accept_rate <= 1.0:
             raise ValueError(f"accept_rate must be in [0, 1], got {accept_rate}")
+        if saves not in SAVE_POLICIES:
+            raise ValueError(f"saves must be one of {', '.join(SAVE_POLICIES)}, got {saves!r}")
+        self.tokens = tokens
+        self.saves = saves
         self.accept_rate = accept_rate
         self.seed = seed
-        self.vocab = vocab
         self.num_forward_tokens = 0
 
-    def __call__(self, step: StepPlan, seqs: Mapping[str, Any]) -> dict[str, tuple[Any, ...]]:
+    def __call__(self, step: StepPlan, seqs: Mapping[str, Seq]) -> dict[str, tuple[Any, ...]]:
         out: dict[str, tuple[Any, ...]] = {}
+        tokens, at_end = self.tokens, self.saves == "at_end"
         for plan in step.requests:
             rid = plan.request_id
-            num = seqs[rid].num_tokens
+            seq = seqs[rid]
+            num = seq.num_tokens
             end = plan.start + plan.num_new_tokens
             self.num_forward_tokens += plan.num_new_tokens
+            new: list[int]
             if end < num:  # a prefill chunk: no token is sampled
                 t_new, new = end, []
             elif end == num:
-                t_new, new = num, [token_at(rid, num, self.vocab)]
+                t_new, new = num, [tokens(seq, num, ())]
             else:  # decode with drafts: accept a prefix of them, then sample one more
-                rng = random.Random(f"{self.seed}/{rid}/{num}")
-                accepted = 0
-                while accepted < end - num and rng.random() < self.accept_rate:
-                    accepted += 1
-                t_new = num + accepted
-                new = [token_at(rid, p, self.vocab) for p in range(num, t_new + 1)]
-            saved = [s.position for s in plan.saves if s.position == t_new] if plan.saves else []
+                t_new, new = num + self._accepted(rid, num, end - num), []
+                for p in range(num, t_new + 1):
+                    new.append(tokens(seq, p, new))
+            if not plan.saves:
+                saved = []
+            elif at_end:
+                saved = [s.position for s in plan.saves if s.position == t_new]
+            else:
+                saved = [s.position for s in plan.saves if s.position <= t_new]
             out[rid] = (t_new, new, saved)
         return out
+
+    def _accepted(self, rid: str, num: int, drafts: int) -> int:
+        if self.accept_rate == 0.0:
+            return 0  # what the seeded draws would give, without drawing them
+        rng = random.Random(f"{self.seed}/{rid}/{num}")
+        accepted = 0
+        while accepted < drafts and rng.random() < self.accept_rate:
+            accepted += 1
+        return accepted
+
+
+class FakeEngine(ScriptedEngine):
+    """The simulator's engine: positional tokens, drafts accepted at `accept_rate` (seeded), the
+    save at T′ only."""
+
+    def __init__(self, accept_rate: float = 0.7, seed: int = 0, vocab: int = 32000) -> None:
+        super().__init__(PositionalTokens(vocab), "at_end", accept_rate, seed)
+        self.vocab = vocab

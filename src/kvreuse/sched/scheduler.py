@@ -1,16 +1,16 @@
-"""A continuous-batching scheduler over the core (first slice of issue 3).
+"""A continuous-batching scheduler over the core.
 
 One `step()` reads as its table of contents:
 
     grow running requests (decode first, then prefill chunks)   ─┐ within the token budget and
     admit waiting requests, FCFS                                  ─┘ max_num_seqs; preempt on OOM
     seal the step → run the engine → commit the outcomes
-    finish requests that reached max_tokens
+    finish requests that reached max_tokens or a stop token
 
 It drives the core only through its public operations (spec §3): lookup, allocate,
 next_save_position, seal_step, commit, finish, preempt. The engine is any callable that turns a
-`StepPlan` into the core's outcomes; `FakeEngine` (in `kvreuse.sched.engine`) samples
-deterministic tokens and accepts drafts with a seeded model, for simulation and tests.
+`StepPlan` into the core's outcomes: `kvreuse.engine.ModelRunner` runs a model, and
+`ScriptedEngine` (in `kvreuse.sched.engine`) emits deterministic tokens for simulation and tests.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request as HttpRequest
 
-from kvreuse.serve.backend import Backend, geometry_toml
+from kvreuse.deployment import geometry_toml
+from kvreuse.serve.backend import Backend
 from kvreuse.serve.generate import Gen, check_model, prepare, run, submit
 from kvreuse.serve.loop import Delta, EngineLoop
 from kvreuse.serve.metrics import new_registry, take_snapshot
@@ -78,7 +79,9 @@ def create_app(
 
     @app.get("/kvreuse/geometry")
     async def geometry() -> PlainTextResponse:
-        return PlainTextResponse(geometry_toml(backend), media_type="application/toml")
+        return PlainTextResponse(
+            geometry_toml(backend.live_deployment()), media_type="application/toml"
+        )
 
     @app.get("/metrics")
     async def metrics() -> Response:

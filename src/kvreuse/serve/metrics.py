@@ -108,12 +108,12 @@ class SnapshotCollector(Collector):
             for kind, v in sorted(s[key].items()):
                 fam.add_metric([kind], float(v))
             yield fam
-        fam = CounterMetricFamily(
+        finished = CounterMetricFamily(
             P + "request_finished", "Requests ended, by finish reason.", labels=["finished_reason"]
         )
         for reason, v in sorted(s["request_finished"].items()):
-            fam.add_metric([reason], float(v))
-        yield fam
+            finished.add_metric([reason], float(v))
+        yield finished
 
     def _labelled(self, s: Mapping[str, Any]) -> Iterator[Metric]:
         for key, name, label, doc in LABELLED:

@@ -1,4 +1,5 @@
-"""`kvreuse.sim`: workload files and generators (the simulator itself is still to come)."""
+"""`kvreuse.sim`: workload files and generators, and the simulator that replays a workload on a
+deployment through the scheduler and the core (`kvreuse.sim.run.simulate`, `kvreuse simulate`)."""
 
 from kvreuse.sim.generators import GENERATORS
 from kvreuse.sim.workload import (

@@ -1,15 +1,20 @@
-"""`kvreuse simulate [GEOMETRY.toml] WORKLOAD.jsonl --out DIR` (issue 3, slice: no plots yet)."""
+"""`kvreuse simulate [GEOMETRY.toml] WORKLOAD.jsonl --out DIR`.
+
+Prints a summary table (or `--json`) and writes requests.jsonl, summary.json, report.md and the
+plots (`--no-plots` to skip them) to DIR.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kvreuse.core import ConfigError
-from kvreuse.sim.geometry import PRESETS, GeometryError, load_geometry, preset
+from kvreuse.deployment import PRESETS, GeometryError, preset, resolve
 from kvreuse.sim.run import CostModel, SimResult, simulate, without_deferral
 from kvreuse.sim.workload import WorkloadError, load_workload
 
@@ -59,16 +64,15 @@ def run(args: argparse.Namespace) -> int:
         else:
             if len(args.files) != 2:
                 raise GeometryError("give GEOMETRY.toml and WORKLOAD.jsonl (or --geometry NAME)")
-            geo_path, wl_path = Path(args.files[0]), Path(args.files[1])
-            geo = load_geometry(geo_path.read_text(), str(geo_path))
+            geo, wl_path = resolve(Path(args.files[0])), Path(args.files[1])
         workload = load_workload(wl_path.read_text().splitlines())
         cost = CostModel(args.prefill_tokens_per_s, args.decode_step_s)
         show = not args.quiet and sys.stderr.isatty()
-        bar = _progress_bar(len(workload)) if show else None
+        on_step, close = _progress_bar(len(workload)) if show else (None, None)
         rate = args.draft_accept_rate
-        result = simulate(geo, workload, cost, bar.update_to if bar else None, rate)
-        if bar:
-            bar.close()
+        result = simulate(geo, workload, cost, on_step, rate)
+        if close:
+            close()
         if result.summary["deferral_waits"] and not args.no_compare:
             result.summary["without_deferral"] = without_deferral(geo, workload, cost, rate)
     except (GeometryError, WorkloadError, ConfigError, OSError, ValueError) as exc:
@@ -90,14 +94,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _progress_bar(total: int) -> Any:
+def _progress_bar(total: int) -> tuple[Callable[[int, int], None], Callable[[], None]]:
+    """A tqdm bar on stderr: the `on_step(done, total)` callback that moves it, and its close."""
     from tqdm import tqdm
 
-    class Bar(tqdm):  # type: ignore[misc]
-        def update_to(self, done: int, _total: int) -> None:
-            self.update(done - self.n)
+    bar = tqdm(total=total, unit="req", desc="simulating", file=sys.stderr)
 
-    return Bar(total=total, unit="req", desc="simulating", file=sys.stderr)
+    def update_to(done: int, _total: int) -> None:
+        bar.update(done - bar.n)
+
+    return update_to, bar.close
 
 
 def summary_table(name: str, result: SimResult, out: Path) -> str:

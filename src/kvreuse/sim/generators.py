@@ -1,4 +1,4 @@
-"""Workload generators: `kvreuse workload KIND [options] > FILE.jsonl` (issue 3, first slice).
+"""Workload generators: `kvreuse workload KIND [options] > FILE.jsonl`.
 
 Every generator returns the JSON objects of `kvreuse.sim.workload`, deterministic in its seed.
 Prompts are described, not materialised ({"random": {"seed", "len"}}), so files stay small.
@@ -6,7 +6,7 @@ Prompts are described, not materialised ({"random": {"seed", "len"}}), so files 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 Line = dict[str, Any]
@@ -128,7 +128,8 @@ def pressure(
     return out
 
 
-GENERATORS = {
+# Each takes its options as keywords (`kvreuse workload KIND --option ...`).
+GENERATORS: dict[str, Callable[..., list[Line]]] = {
     "resend-grid": resend_grid,
     "shared-prefix": shared_prefix,
     "agent": agent,

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvreuse.core import KVCacheManager, Request
+from kvreuse.deployment import Deployment
 from kvreuse.sched import FakeEngine, Scheduler, Seq
-from kvreuse.sim.geometry import SimGeometry
 from kvreuse.sim.workload import WorkloadError, WorkloadRequest, tokens_of
 
 
@@ -68,7 +68,7 @@ def _cyclic_gc_paused() -> Iterator[None]:
 
 
 def simulate(
-    geo: SimGeometry,
+    geo: Deployment,
     workload: list[WorkloadRequest],
     cost: CostModel | None = None,
     on_step: Callable[[int, int], None] | None = None,
@@ -82,7 +82,7 @@ def simulate(
 
 
 def _simulate(
-    geo: SimGeometry,
+    geo: Deployment,
     workload: list[WorkloadRequest],
     cost: CostModel,
     on_step: Callable[[int, int], None] | None,
@@ -225,7 +225,7 @@ def _summary(
 
 
 def without_deferral(
-    geo: SimGeometry,
+    geo: Deployment,
     workload: list[WorkloadRequest],
     cost: CostModel | None = None,
     draft_accept_rate: float = 0.7,

@@ -1,4 +1,4 @@
-"""Workload files (JSONL, one request per line) and their generators (issue 3, first slice).
+"""Workload files (JSONL, one request per line), read by `kvreuse simulate`.
 
 A line:
 
@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvreuse.core.hashing import TOKEN_TYPECODE
+from kvreuse.core import TOKEN_TYPECODE
 
 FIELDS = {"id", "prompt", "max_tokens", "arrival", "after", "cache_salt", "lora"}
 VOCAB = 1 << 15  # random prompts' token ids lie in [0, VOCAB)

@@ -1,4 +1,8 @@
-"""Geometry files (TOML) and presets for `kvreuse simulate` (issue 3, slice).
+"""A deployment: the cache geometry, the scheduler's knobs and the context length, as one value.
+
+`kvreuse simulate`, `kvreuse serve`, `kvreuse qualify` and `kvreuse.engine.LLM` all take one,
+named by `resolve(spec)`: a preset name (`PRESETS`), a path to a TOML geometry file, or a
+`Deployment` as is. A geometry file:
 
     [cache]
     num_blocks = 4096            # or capacity_tokens = 131072 (one request's worth, spec §4)
@@ -6,6 +10,7 @@
     hash_unit = 256
     max_num_seqs = 64            # scheduler knobs live here too
     max_num_batched_tokens = 8192
+    max_model_len = 8192         # optional: the context length a server accepts
 
     [[groups]]
     kind = "full"
@@ -16,13 +21,16 @@
     block_size = 256
 
 Unknown tables and keys are errors naming where they are; values are checked by `CacheConfig`
-and `SchedulerConfig`, whose messages are passed through.
+and `SchedulerConfig`, whose messages are passed through. `geometry_toml` writes a deployment
+back as such a file (a server serves it to `kvreuse qualify`).
 """
 
 from __future__ import annotations
 
+import os
 import tomllib
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from kvreuse.core import CacheConfig, ConfigError, GroupSpec
@@ -34,16 +42,22 @@ GROUP_KEYS = {f.name for f in fields(GroupSpec)}
 
 
 class GeometryError(ValueError):
-    """A geometry file is malformed; the message names the table and key."""
+    """A geometry file or deployment name is malformed; the message names the table and key."""
 
 
 @dataclass(frozen=True)
-class SimGeometry:
+class Deployment:
+    """What one cache runs with: `name` (the preset or file it came from), the cache's
+    configuration, the scheduler's, and the context length (None: what the model allows)."""
+
     name: str
     cache: CacheConfig
     sched: SchedulerConfig
     max_model_len: int | None
 
+
+# What `resolve` accepts: a preset name, a path to a geometry file, or a deployment.
+DeploymentSpec = str | os.PathLike[str] | Deployment
 
 PRESETS: dict[str, str] = {
     "attention-16": """
@@ -157,7 +171,7 @@ PRESETS["tiny-spec-lookahead"] = _TINY_SPEC.format(
 PRESETS["tiny-spec-drop"] = _TINY_SPEC.format(mode='spec_mode = "drop"')
 
 
-def load_geometry(text: str, name: str = "geometry") -> SimGeometry:
+def load_geometry(text: str, name: str = "geometry") -> Deployment:
     """Parse a TOML geometry (or raise GeometryError / ConfigError with a clear message)."""
     try:
         doc = tomllib.loads(text)
@@ -192,7 +206,7 @@ def load_geometry(text: str, name: str = "geometry") -> SimGeometry:
         sched_cfg = SchedulerConfig(**sched)
     except (TypeError, ValueError) as exc:
         raise GeometryError(f"{name}: [cache] scheduler setting: {exc}") from None
-    return SimGeometry(name, cfg, sched_cfg, max_model_len)
+    return Deployment(name, cfg, sched_cfg, max_model_len)
 
 
 def _cache_config(name: str, cache: dict[str, Any], specs: list[GroupSpec]) -> CacheConfig:
@@ -216,7 +230,64 @@ def _cache_config(name: str, cache: dict[str, Any], specs: list[GroupSpec]) -> C
         raise GeometryError(f"{name}: [cache]: {exc}") from None
 
 
-def preset(name: str) -> SimGeometry:
+def preset(name: str) -> Deployment:
+    """The preset `name` of `PRESETS` (GeometryError listing the presets otherwise)."""
     if name not in PRESETS:
         raise GeometryError(f"unknown geometry preset {name!r}; presets: {sorted(PRESETS)}")
     return load_geometry(PRESETS[name], name)
+
+
+def resolve(spec: DeploymentSpec) -> Deployment:
+    """A deployment from a preset name, a path to a TOML geometry file (a `Path`, or a string
+    ending in .toml or holding a "/"), or a `Deployment` (returned as is)."""
+    if isinstance(spec, Deployment):
+        return spec
+    if isinstance(spec, os.PathLike) or (
+        isinstance(spec, str) and (spec.endswith(".toml") or "/" in spec)
+    ):
+        try:
+            text = Path(spec).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise GeometryError(f"{spec}: cannot read the geometry file ({exc.strerror})") from None
+        return load_geometry(text, str(spec))
+    if isinstance(spec, str):
+        if spec not in PRESETS:
+            raise GeometryError(
+                f"unknown geometry {spec!r}: give a preset ({', '.join(sorted(PRESETS))}), "
+                "a path to a .toml geometry file, or a Deployment"
+            )
+        return preset(spec)
+    raise GeometryError(
+        "a deployment is a preset name, a path to a .toml geometry file, or a Deployment; "
+        f"got {type(spec).__name__}"
+    )
+
+
+def _toml_value(v: object) -> str | None:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return None  # None, bytes, callables: not representable, left at their defaults
+
+
+def geometry_toml(dep: Deployment) -> str:
+    """The deployment as a geometry file (`load_geometry` reads it back to an equal one)."""
+    cfg, sched = dep.cache, dep.sched
+    lines = ["[cache]"]
+    for f in fields(cfg):
+        if f.name in CACHE_KEYS and (v := _toml_value(getattr(cfg, f.name))) is not None:
+            lines.append(f"{f.name} = {v}")
+    for f in fields(sched):
+        if (v := _toml_value(getattr(sched, f.name))) is not None:
+            lines.append(f"{f.name} = {v}")
+    if dep.max_model_len is not None:
+        lines.append(f"max_model_len = {dep.max_model_len}")
+    for g in cfg.groups:
+        lines.append("[[groups]]")
+        for f in fields(g):
+            if (v := _toml_value(getattr(g, f.name))) is not None:
+                lines.append(f"{f.name} = {v}")
+    return "\n".join(lines) + "\n"

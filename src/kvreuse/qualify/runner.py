@@ -1,33 +1,24 @@
-"""`kvreuse qualify`: send scenarios to a server and check every cached_tokens it reports.
-
-Per request: cached_tokens against the spec's rules (`RulePredictor`, while nothing was evicted)
-and against a shadow replay (`ShadowPredictor`, always); per scenario: Σ cached_tokens against
-the Δ of the server's prefix-cache hits counter (exact); warm answers against cold ones (greedy).
-Scenarios, each after a reset of the prefix cache: (a) boundary grid cold/warm/appended,
-(b) shared prefix, (c) agent turns, (d) long cold/warm retrieval, (e) pressure: fill the cache
-past capacity, then replay it twice.
-"""
+"""qualify's client and bookkeeping: `Client` talks to the server, `Runner` sends each request,
+predicts its cached_tokens (`RulePredictor`, `ShadowPredictor`) and judges every scenario."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import json
 import math
 import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-from kvreuse.serve.predict import RulePredictor, ShadowPredictor
-from kvreuse.sim.geometry import SimGeometry, load_geometry
+from kvreuse.deployment import Deployment, load_geometry
+from kvreuse.qualify.predictor import RulePredictor, ShadowPredictor
 
 HITS = ("kvreuse:prefix_cache_hits_total", "vllm:prefix_cache_hits_total")
 EVICTED = ("kvreuse:kv_blocks_evicted_total",)
-QUALIFY_NUM_BLOCKS = {False: 192, True: 48}  # in-process cache by --quick: fillable on a CPU
 
 
 class QualifyError(RuntimeError):
@@ -70,7 +61,7 @@ class Client:
     def close(self) -> None:
         self.http.close()
 
-    def geometry(self) -> SimGeometry:
+    def geometry(self) -> Deployment:
         r = self.http.get("/kvreuse/geometry")
         if r.status_code != 200:
             raise QualifyError("the server does not serve /kvreuse/geometry; pass --geometry")
@@ -112,9 +103,8 @@ class Client:
         return self._stream(body)
 
     def _stream(self, body: dict[str, Any]) -> tuple[int, list[int]]:
-        import json
-
-        cached, ids = None, []
+        cached: int | None = None
+        ids: list[int] = []
         with self.http.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 raise QualifyError(f"streamed completion answered {r.status_code}")
@@ -134,7 +124,7 @@ class Client:
 
 
 class Runner:
-    def __init__(self, client: Client, geo: SimGeometry, seed: int) -> None:
+    def __init__(self, client: Client, geo: Deployment, seed: int) -> None:
         self.client, self.geo = client, geo
         self.rng = random.Random(seed)
         self.scenarios: list[Scenario] = []
@@ -211,59 +201,3 @@ class Runner:
         for sc in self.scenarios:
             out += [f for row in sc.rows for f in row.failures] + sc.failures
         return out
-
-
-def main(args: argparse.Namespace) -> int:
-    from kvreuse.serve.report import print_report, write_report
-    from kvreuse.serve.scenarios import run_all
-
-    started = time.monotonic()
-    try:
-        with _server(args) as url:
-            client = Client(url)
-            try:
-                geo = (
-                    load_geometry(Path(args.geometry).read_text(), args.geometry)
-                    if args.url and args.geometry
-                    else client.geometry()
-                )
-                runner = Runner(client, geo, args.seed)
-                run_all(runner, quick=args.quick, max_fill=args.max_fill_tokens)
-            finally:
-                client.close()
-    except QualifyError as exc:
-        print(f"kvreuse qualify: FAILED: {exc}")
-        return 1
-    seconds = time.monotonic() - started
-    write_report(runner, args.out, url, seconds)
-    print_report(runner, seconds)
-    failures = runner.failures()
-    for f in failures:
-        print(f"FAIL {f}")
-    print(
-        f"kvreuse qualify: {'PASSED' if not failures else 'FAILED'} "
-        f"({len(failures)} failure(s)); report in {args.out}/qualify.md"
-    )
-    return 0 if not failures else 1
-
-
-@contextlib.contextmanager
-def _server(args: argparse.Namespace) -> Iterator[str]:
-    if args.url:
-        yield args.url
-        return
-    from kvreuse.serve.app import create_app
-    from kvreuse.serve.backend import default_backend, fake_backend
-    from kvreuse.serve.server import ServerThread
-
-    blocks = args.num_blocks or QUALIFY_NUM_BLOCKS[bool(args.quick)]
-    try:
-        backend = (
-            fake_backend(args.geometry, num_blocks=blocks)
-            if args.fake
-            else default_backend(args.model, args.geometry, blocks)
-        )
-    except (RuntimeError, ValueError, OSError) as exc:
-        raise QualifyError(str(exc)) from None
-    with ServerThread(create_app(backend)) as url:
-        yield url

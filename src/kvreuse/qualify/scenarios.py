@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from kvreuse.serve.qualify import Runner
+from kvreuse.qualify.runner import Runner
 
 M = 4  # output tokens of most requests: greedy answers are compared cold vs warm
 

@@ -7,7 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvreuse.serve.qualify import Runner, Scenario
+from kvreuse.qualify.runner import Runner, Scenario
 
 
 def _summary(sc: Scenario) -> dict[str, Any]:

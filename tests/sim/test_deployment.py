@@ -1,11 +1,22 @@
-"""Geometry TOML files and presets for the simulator."""
+"""Deployments: geometry TOML files, presets, `resolve` and the TOML a server serves."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvreuse import ConfigError
-from kvreuse.sim.geometry import PRESETS, GeometryError, load_geometry, preset
+from kvreuse.deployment import (
+    PRESETS,
+    GeometryError,
+    geometry_toml,
+    load_geometry,
+    preset,
+    resolve,
+)
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -14,7 +25,7 @@ def test_presets_load(name: str) -> None:
     assert geo.cache.geometry.groups
 
 
-def test_hybrid_preset_is_the_issue_geometry() -> None:
+def test_hybrid_preset_is_the_dcp4_hybrid() -> None:
     geo = preset("hybrid-dcp4").cache.geometry
     assert [g.page_size for g in geo.groups] == [8192, 256]
     assert geo.hash_unit == 256
@@ -86,3 +97,34 @@ def test_bad_geometry_files(text: str, exc: type, fragment: str) -> None:
 def test_unknown_preset() -> None:
     with pytest.raises(GeometryError, match="presets"):
         preset("nope")
+
+
+def test_resolve_takes_a_preset_a_file_or_a_deployment(tmp_path: Path) -> None:
+    dep = resolve("hybrid-dcp4")
+    assert dep == preset("hybrid-dcp4") and resolve(dep) is dep
+    path = tmp_path / "geo.toml"
+    path.write_text(PRESETS["attention-16"])
+    for spec in (path, str(path)):
+        got = resolve(spec)
+        assert got.name == str(path) and got.cache == preset("attention-16").cache
+
+
+@pytest.mark.parametrize(
+    ("spec", "fragment"),
+    [
+        ("nope", "give a preset (attention-16, "),
+        ("missing/geo.toml", "cannot read the geometry file"),
+        (42, "a deployment is a preset name, a path to a .toml geometry file, or a Deployment"),
+    ],
+)
+def test_resolve_names_what_is_allowed(spec: Any, fragment: str) -> None:
+    with pytest.raises(GeometryError, match=re.escape(fragment)) as info:
+        resolve(spec)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_geometry_toml_reads_back_equal(name: str) -> None:
+    dep = preset(name)
+    back = load_geometry(geometry_toml(dep), "served")
+    assert (back.cache, back.sched, back.max_model_len) == (dep.cache, dep.sched, dep.max_model_len)

@@ -13,17 +13,14 @@ geometry, whose engine emits the server's own output tokens: exact under evictio
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-from kvreuse.core import KVCacheManager, Request, StepPlan, replay_point
+from kvreuse.core import KVCacheManager, Request, replay_point
+from kvreuse.deployment import Deployment
 from kvreuse.oracle import Entry, OracleRequest, ident, num_units, oracle
-from kvreuse.sched import Scheduler
-from kvreuse.sim.geometry import SimGeometry
+from kvreuse.sched import ReplayTokens, Scheduler, ScriptedEngine
 
 
 class RulePredictor:
-    def __init__(self, geo: SimGeometry) -> None:
+    def __init__(self, geo: Deployment) -> None:
         self.geo = geo.cache.geometry
         self.dense = geo.cache.recurrent_retention == "dense"
         self.entries: set[Entry] = set()
@@ -70,40 +67,18 @@ class RulePredictor:
         return out
 
 
-class _ScriptedEngine:
-    """Emits the tokens the server produced; writes every save at or below T′ (E6)."""
-
-    def __init__(self) -> None:
-        self.script: dict[str, list[int]] = {}
-
-    def __call__(self, step: StepPlan, seqs: Mapping[str, Any]) -> dict[str, tuple[Any, ...]]:
-        out: dict[str, tuple[Any, ...]] = {}
-        for plan in step.requests:
-            seq = seqs[plan.request_id]
-            num = seq.num_tokens
-            if plan.end < num:
-                t_new, new = plan.end, []
-            else:
-                t_new, new = num, [self.script[plan.request_id][len(seq.output)]]
-            out[plan.request_id] = (
-                t_new,
-                new,
-                [s.position for s in plan.saves if s.position <= t_new],
-            )
-        return out
-
-
 class ShadowPredictor:
-    def __init__(self, geo: SimGeometry) -> None:
-        self.engine = _ScriptedEngine()
-        self.sched = Scheduler(KVCacheManager(geo.cache), self.engine, geo.sched)
+    def __init__(self, geo: Deployment) -> None:
+        self.script = ReplayTokens()
+        engine = ScriptedEngine(self.script, saves="up_to_end")
+        self.sched = Scheduler(KVCacheManager(geo.cache), engine, geo.sched)
         self.count = 0
 
     def run(self, prompt: list[int], output: list[int], salt: str | None = None) -> int:
         """Replay one request to its end; its cached tokens."""
         self.count += 1
         rid = f"shadow-{self.count}"
-        self.engine.script[rid] = list(output)
+        self.script.outputs[rid] = list(output)
         seq = self.sched.add(Request(rid, prompt, cache_salt=salt), max(1, len(output)))
         while not seq.finished:
             self.sched.step()

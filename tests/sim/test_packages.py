@@ -1,0 +1,126 @@
+"""The package layering of `src/kvreuse`, read from the source (every import, lazy ones too).
+
+    core ← (oracle, tokenizer, sched) ← deployment ← (sim, engine) ← serve ← qualify ← cli
+
+Each package imports only packages to its left, and only through `kvreuse.core`'s public names.
+(Import cycles are checked for all of src by tests/core/test_imports.py.)
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import kvreuse
+
+SRC = Path(kvreuse.__file__).parent
+
+# Package (a top-level module or folder of src/kvreuse) -> the packages it may import.
+ALLOWED: dict[str, set[str]] = {
+    "core": set(),
+    "oracle": {"core"},
+    "tokenizer": {"core"},
+    "sched": {"core"},
+    "deployment": {"core", "oracle", "tokenizer", "sched"},
+    "sim": {"core", "oracle", "tokenizer", "sched", "deployment"},
+    "engine": {"core", "oracle", "tokenizer", "sched", "deployment"},
+    "serve": {"core", "oracle", "tokenizer", "sched", "deployment", "sim", "engine"},
+    "qualify": {"core", "oracle", "tokenizer", "sched", "deployment", "sim", "engine", "serve"},
+    "cli": {
+        "core",
+        "oracle",
+        "tokenizer",
+        "sched",
+        "deployment",
+        "sim",
+        "engine",
+        "serve",
+        "qualify",
+    },
+    "__main__": {"cli"},
+    "kvreuse": {"core", "engine"},  # the facade: re-exports the core, loads LLM on first use
+}
+
+
+def _modules() -> Iterator[tuple[str, str, ast.Module]]:
+    """(path relative to src, package, tree) of every module."""
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC.parent)
+        parts = path.relative_to(SRC).parts
+        package = "kvreuse" if parts == ("__init__.py",) else parts[0].removesuffix(".py")
+        yield str(rel), package, ast.parse(path.read_text(), str(rel))
+
+
+def _imports(tree: ast.Module, module: str) -> list[tuple[int, str]]:
+    """(line, dotted name) of every import, once each; `from X import Y` names X.Y when Y is a
+    module of X, else X."""
+    found: set[tuple[int, str]] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")[: -node.level]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:
+                name = f"{base}.{alias.name}"
+                found.add((node.lineno, name if _is_module(name) else base))
+    return sorted(found)
+
+
+def _is_module(name: str) -> bool:
+    rel = Path(*name.split("."))
+    return (SRC.parent / rel).with_suffix(".py").is_file() or (SRC.parent / rel).is_dir()
+
+
+def _dotted(rel: str) -> str:
+    return rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+
+def test_every_package_has_a_place_in_the_layering() -> None:
+    unknown = sorted({pkg for _, pkg, _ in _modules()} - set(ALLOWED))
+    assert not unknown, f"packages {unknown} have no place in ALLOWED; add them to the layering"
+
+
+def test_only_core_imports_core_submodules() -> None:
+    bad: list[str] = []
+    for rel, package, tree in _modules():
+        if package == "core":
+            continue
+        for line, name in _imports(tree, _dotted(rel)):
+            if not name.startswith("kvreuse.core."):
+                continue
+            bad.append(f"{rel}:{line} imports {name}; import its names from kvreuse.core")
+    assert not bad, "; ".join(bad)
+
+
+def test_each_package_imports_only_packages_to_its_left() -> None:
+    bad = []
+    for rel, package, tree in _modules():
+        allowed = ALLOWED.get(package, set()) | {package}
+        for line, name in _imports(tree, _dotted(rel)):
+            parts = name.split(".")
+            if parts[0] != "kvreuse":
+                continue
+            target = parts[1] if len(parts) > 1 else "kvreuse"
+            if target not in allowed:
+                bad.append(f"{rel}:{line} imports {name}; {package} may import {sorted(allowed)}")
+    assert not bad, "; ".join(bad)
+
+
+def test_the_facade_without_torch_lists_no_engine_names() -> None:
+    """A core-only install: `import kvreuse`, `dir()` and star-import work; kvreuse.LLM says
+    what is missing."""
+    code = (
+        "import sys; sys.modules['torch'] = None\n"  # as if torch were not installed
+        "import kvreuse\n"
+        "assert 'LLM' not in kvreuse.__all__ and 'LLM' not in dir(kvreuse)\n"
+        "from kvreuse import *\n"
+        "try:\n    kvreuse.LLM\nexcept ImportError as exc:\n    assert 'torch' in str(exc)\n"
+        "else:\n    raise AssertionError('kvreuse.LLM without torch')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
