@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Prefill tokens/s of the PyTorch reference engine, cold vs warm (issue 4, acceptance 3).
+"""Prefill tokens/s of the PyTorch reference engine, cold vs warm.
 
 On the tiny seeded model (fp32, CPU) and a geometry preset (default `tiny-hybrid-dcp4`): a
 4,096-token prompt runs cold (empty cache), then warm as an identical resend and as an extension

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Simulated requests per second of `kvreuse simulate` (issue 3, acceptance 3).
+"""Simulated requests per second of `kvreuse simulate`.
 
 Workload: N requests (default 10,000) sharing one 1,024-token prefix, 2,048-token prompts, 64
 output tokens each, all arriving at once, on the `attention-16` and `hybrid-dcp4` presets.

@@ -125,7 +125,7 @@ def admit(
         hit=h,
         is_admission=True,
     )
-    return PlanRecord(req=req, plan=plan, saves=saves, copies=copies, start=h, end=end)
+    return PlanRecord(req, plan, saves, copies, h, end)
 
 
 def _pop_admission(
@@ -206,19 +206,23 @@ def grow(
         if new_blocks is not None:
             new_blocks = {**empty, **new_blocks}
     req.scheduled = end
-    saves = _pop_saves(geo, pool, counters, req, start, end) if geo.recurrent else []
-    plan = RequestPlan(
-        request_id=req.request_id,
-        start=start,
-        num_new_tokens=num_new,
-        num_extra_slots=extra,
-        tables=parts.tables,
-        recurrent=parts.recurrent,
-        new_blocks=parts.new_blocks if new_blocks is None else new_blocks,
-        copies=[],
-        saves=[Save(s.gid, s.position, s.block_id) for s in saves] if saves else [],
+    saves: list[PlannedSave] = []
+    # A quiet decode step (most of them) owes no save: checked here to skip a call per step.
+    if geo.recurrent and geo.caching_enabled and not is_quiet_decode(geo, req, start, end):
+        saves = _pop_saves(geo, pool, counters, req, start, end)
+    tables, recurrent, no_blocks = parts
+    plan = RequestPlan(  # positional: this runs once per request per decode step
+        req.request_id,
+        start,
+        num_new,
+        extra,
+        tables,
+        recurrent,
+        no_blocks if new_blocks is None else new_blocks,
+        [],
+        [Save(s.gid, s.position, s.block_id) for s in saves] if saves else [],
     )
-    return PlanRecord(req=req, plan=plan, saves=saves, copies=[], start=start, end=end)
+    return PlanRecord(req, plan, saves, [], start, end)
 
 
 def _pop_saves(

@@ -41,11 +41,12 @@ class PlannedSave(NamedTuple):
     planned: bool  # published if valid (a replay, junction or dense position)
 
 
-@dataclass(eq=False, slots=True, kw_only=True)
+@dataclass(eq=False, slots=True)
 class PlanRecord:
     """The manager's side of one RequestPlan: what its commit must settle.
 
-    The step's [start, end) is kept here: the manager never trusts a plan it handed out.
+    The step's [start, end) is kept here: the manager never trusts a plan it handed out. Built
+    positionally: one is built per request per step.
     """
 
     req: RequestState
@@ -159,8 +160,11 @@ class StepLedger:
         recs = self._sealed.pop(step_id)
         self._remember(step_id, fate)
         for r in recs:
-            if step_id in r.req.inflight:
-                r.req.inflight.remove(step_id)
+            inflight = r.req.inflight
+            if inflight and inflight[0] == step_id:  # steps settle oldest first: the usual case
+                del inflight[0]
+            elif step_id in inflight:
+                inflight.remove(step_id)
         self.version += 1
         return recs
 

@@ -198,8 +198,9 @@ class KVCacheManager:
             return
         parsed = _commit.settle_outcomes(self.ledger.sealed(step_id), outcomes)
         recs = self.ledger.settle(step_id, StepFate.COMMITTED)
+        apply, geo, pool, counters = _commit.apply_commit, self.geo, self.pool, self.counters
         for rec, outcome in parsed:
-            _commit.apply_commit(self.geo, self.pool, self.counters, rec, outcome)
+            apply(geo, pool, counters, rec, outcome)
             if not rec.req.inflight:
                 rec.req.scheduled = rec.req.committed
         self._settle_deferred(recs, discard=False)

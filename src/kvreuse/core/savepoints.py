@@ -53,7 +53,9 @@ def finish_point(geo: Geometry, num_units: int, committed: int) -> int:
 def rolling_range(geo: Geometry, num_units: int, committed: int) -> tuple[int, int]:
     """[φ(T), ⌊T/u⌋·u]: the positions whose rolling states a request keeps after a commit."""
     u = geo.hash_unit
-    return finish_point(geo, num_units, committed), committed // u * u
+    top = committed // u
+    phi = min(top, num_units) * u  # finish_point, inlined: this runs on every decode commit
+    return (phi - u if geo.spec_mode == "drop" else phi), top * u
 
 
 def planned_positions(
