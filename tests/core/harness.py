@@ -8,6 +8,7 @@ hit, reason, junction, slots and pending_hit equal the oracle's truth (T1, T2, T
 
 from __future__ import annotations
 
+import copy
 import random
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -402,8 +403,10 @@ class Engine:
 
     # steps -------------------------------------------------------------------------------
     def schedule(self) -> None:
-        """Admit or grow every request that has no step in flight."""
+        """Admit or grow every request that has no step in flight (growths sometimes in one
+        `allocate_many` call, checked against the same calls one by one on a twin)."""
         drv, mgr, rng = self.drv, self.drv.mgr, self.rng
+        batch: list[tuple[str, int]] | None = [] if rng.random() < 0.3 else None
         for k in list(drv.known.values()):
             st = mgr.requests.get(k.rid)
             if st is None or st.inflight or st.deferred or st.open_plan is not None:
@@ -442,6 +445,9 @@ class Engine:
                     num_new = rng.randint(1, num - st.scheduled)
                 else:
                     num_new = 1 + (rng.randint(0, 3) if self.spec else 0)
+                if batch is not None:
+                    batch.append((k.rid, num_new))
+                    continue
                 before = _snapshot(mgr)
                 grown = mgr.allocate(k.rid, num_new)
                 if grown is None:
@@ -449,6 +455,25 @@ class Engine:
                 else:
                     self.note_plan(grown)
             drv.check()
+        if batch:
+            self.grow_batch(batch)
+
+    def grow_batch(self, batch: list[tuple[str, int]]) -> None:
+        """`allocate_many` equals the per-request calls: same plans, same state after."""
+        mgr = self.drv.mgr
+        template = mgr.hasher.template  # immutable (and holds a Struct, which cannot be copied)
+        twin = copy.deepcopy(mgr, memo={id(template): template})
+        expected = [twin.allocate(rid, n) for rid, n in batch]
+        counts: Any = [n for _, n in batch]
+        if len({*counts}) == 1 and self.rng.random() < 0.5:
+            counts = counts[0]  # one count for all
+        got = mgr.allocate_many([rid for rid, _ in batch], counts)
+        assert got == expected, (got, expected)
+        assert _snapshot(mgr) == _snapshot(twin)
+        for plan in got:
+            if plan is not None:
+                self.note_plan(plan)
+        self.drv.check()
 
     def probe_lookup(self) -> None:
         """Look up one waiting request (pure; checked against the oracle by `lookup`)."""
@@ -533,7 +558,10 @@ class Engine:
             st = mgr.requests.get(plan.request_id)
             if st is not None and st.phase is Phase.RUNNING:
                 outcomes[plan.request_id] = self.outcome(drv.known[plan.request_id], plan)
-        mgr.commit(step.step_id, outcomes)
+        if self.rng.random() < 0.5:
+            mgr.commit(step.step_id, outcomes)
+        else:  # the same outcomes in plan order
+            mgr.commit_batch(step.step_id, [outcomes.get(p.request_id) for p in step.requests])
         for rid, (_, new, _) in outcomes.items():
             st = mgr.requests.get(rid)
             if st is not None and st.phase is Phase.RUNNING and st.deferred is None:

@@ -320,3 +320,24 @@ def settle_outcomes(
         if missing:
             raise ValueError(f"commit: no outcome for {missing} (every live request needs one)")
     return [(r, parse_outcome(r, outcomes[rid])) for rid, r in live.items()]
+
+
+def settle_in_order(
+    recs: Sequence[PlanRecord], outcomes: Sequence[Any]
+) -> list[tuple[PlanRecord, Checked]]:
+    """`settle_outcomes` for outcomes given in the step's plan order."""
+    if isinstance(outcomes, Mapping) or not isinstance(outcomes, Sequence):
+        raise ValueError(
+            "commit_batch: outcomes must be a sequence in plan order, "
+            f"got {type(outcomes).__name__}"
+        )
+    if len(outcomes) != len(recs):
+        raise ValueError(
+            f"commit_batch: {len(outcomes)} outcomes for a step of {len(recs)} plans "
+            "(one per StepPlan.requests entry, in order)"
+        )
+    return [
+        (r, parse_outcome(r, o))
+        for r, o in zip(recs, outcomes, strict=True)
+        if not r.withdrawn and r.req.deferred is None
+    ]

@@ -11,16 +11,22 @@ the manager as it was. The work itself lives in `lookup`, `allocate` and `commit
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvreuse.core import commit as _commit
 from kvreuse.core.allocate import (
     admission_required,
     admit,
     grow,
     growth_required,
     hit_blocks,
+)
+from kvreuse.core.commit import (
+    Checked,
+    apply_commit,
+    release_request,
+    settle_in_order,
+    settle_outcomes,
 )
 from kvreuse.core.config import CacheConfig
 from kvreuse.core.errors import StaleLookupError, UnknownRequestError
@@ -33,7 +39,7 @@ from kvreuse.core.metrics import RequestStats, count_admission, new_counters, sn
 from kvreuse.core.plan import RequestPlan, StepPlan
 from kvreuse.core.pool import BlockPool
 from kvreuse.core.request import Deferral, Phase, Request, RequestState, new_request_state
-from kvreuse.core.rules import check_allocate
+from kvreuse.core.rules import check_allocate, plain_growth
 from kvreuse.core.savepoints import planned_positions, replay_point, save_positions
 from kvreuse.core.views import describe, export_entries, export_ghost
 
@@ -107,21 +113,8 @@ class KVCacheManager:
         self, req_id: str, num_new_tokens: int, lookup: LookupResult | None, num_extra_slots: int
     ) -> RequestState:
         st = self._get(req_id, "allocate")
-        if (  # the common growth (decode, next prefill chunk): provably valid, checked inline
-            lookup is None
-            and type(num_new_tokens) is int
-            and num_extra_slots == 0
-            and st.phase is Phase.RUNNING
-            and st.open_plan is None
-            and st.deferred is None
-            and not st.inflight
-            and num_new_tokens > 0
-            and (
-                st.scheduled == len(st.tokens) - 1  # decode (plus drafts)
-                or st.scheduled + num_new_tokens <= len(st.tokens)  # prefill within N
-            )
-        ):
-            return st
+        if lookup is None and num_extra_slots == 0 and plain_growth(st, num_new_tokens):
+            return st  # the common growth (decode, next prefill chunk): provably valid
         check_allocate(
             st,
             num_new_tokens,
@@ -185,6 +178,47 @@ class KVCacheManager:
         self.epoch += 1
         return rec.plan
 
+    def allocate_many(
+        self, request_ids: Sequence[str], num_new_tokens: int | Sequence[int] = 1
+    ) -> list[RequestPlan | None]:
+        """Grow running requests in one call: the same as `[allocate(rid, n) for ...]`.
+
+        Each item is atomic: None means that request did not fit and nothing of it changed;
+        later items are still tried. `num_new_tokens` is one count for all (a decode step: one
+        token plus the drafts to verify) or one per request. The common growth is checked and
+        planned inline; any other call takes the per-request path, with its errors.
+        """
+        ids = list(request_ids)
+        if isinstance(num_new_tokens, int):
+            counts: Sequence[int] = [num_new_tokens] * len(ids)
+        else:
+            counts = list(num_new_tokens)
+            if len(counts) != len(ids):
+                raise ValueError(
+                    f"allocate_many: {len(ids)} request ids but {len(counts)} token counts"
+                )
+        requests, geo, pool, counters, add = (
+            self.requests,
+            self.geo,
+            self.pool,
+            self.counters,
+            self.ledger.add,
+        )
+        out: list[RequestPlan | None] = []
+        for rid, n in zip(ids, counts, strict=True):
+            st = requests.get(rid)
+            if st is None or not plain_growth(st, n):
+                out.append(self.allocate(rid, n))  # admissions, errors, overlapped steps
+                continue
+            rec = grow(geo, pool, counters, st, n, 0, pool.num_free)
+            if rec is None:
+                out.append(None)
+                continue
+            add(rec)
+            self.epoch += 1
+            out.append(rec.plan)
+        return out
+
     # ------------------------------------------------------------------ steps
     def seal_step(self) -> StepPlan:
         """Close the open step: its plans, in allocation order."""
@@ -193,12 +227,25 @@ class KVCacheManager:
         return StepPlan(step_id, plans, [c for p in plans for c in p.copies])
 
     def commit(self, step_id: int, outcomes: Mapping[str, Any]) -> None:
-        """The step's forward finished: publish what it computed (spec §10)."""
+        """The step's forward finished: publish what it computed (spec §10).
+
+        `outcomes` maps each live request of the step to its `Outcome` (or the spec's tuple).
+        """
         if not self.ledger.check(step_id, "commit"):
             return
-        parsed = _commit.settle_outcomes(self.ledger.sealed(step_id), outcomes)
+        self._commit(step_id, settle_outcomes(self.ledger.sealed(step_id), outcomes))
+
+    def commit_batch(self, step_id: int, outcomes: Sequence[Any]) -> None:
+        """`commit` with the outcomes in the step's plan order, one per `StepPlan.requests`
+        entry (None or anything for a request finished or preempted since the seal: it is
+        ignored, as in `commit`). An engine that runs the plans in order returns this as is."""
+        if not self.ledger.check(step_id, "commit"):
+            return
+        self._commit(step_id, settle_in_order(self.ledger.sealed(step_id), outcomes))
+
+    def _commit(self, step_id: int, parsed: list[tuple[PlanRecord, Checked]]) -> None:
         recs = self.ledger.settle(step_id, StepFate.COMMITTED)
-        apply, geo, pool, counters = _commit.apply_commit, self.geo, self.pool, self.counters
+        apply, geo, pool, counters = apply_commit, self.geo, self.pool, self.counters
         for rec, outcome in parsed:
             apply(geo, pool, counters, rec, outcome)
             if not rec.req.inflight:
@@ -227,7 +274,7 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ release
     def _release(self, st: RequestState, dropped: list[PlanRecord], then: Deferral) -> None:
-        _commit.release_request(self.geo, self.pool, self.counters, st, dropped)
+        release_request(self.geo, self.pool, self.counters, st, dropped)
         self.ledger.forget(st)
         st.phase = Phase.FINISHED if then is Deferral.FINISH else Phase.WAITING
         if then is Deferral.FINISH:

@@ -1,0 +1,58 @@
+"""The batched operations: `allocate_many` and `commit_batch` (their equivalence with the
+per-request calls is checked on random histories by the property harness)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvreuse import CacheConfig, GroupSpec, KVCacheManager, Outcome, Request
+
+CFG = CacheConfig(num_blocks=16, groups=[GroupSpec(kind="full", block_size=4)])
+
+
+def running(mgr: KVCacheManager, *rids: str) -> None:
+    for i, rid in enumerate(rids):
+        mgr.add_request(Request(rid, [i, 1, 2, 3, 4, 5]))
+        res = mgr.lookup(rid)
+        assert mgr.allocate(rid, 6 - res.hit, lookup=res) is not None
+    step = mgr.seal_step()
+    mgr.commit_batch(step.step_id, [Outcome(6, [9]) for _ in step.requests])
+
+
+def test_allocate_many_grows_in_order_and_reports_what_did_not_fit() -> None:
+    mgr = KVCacheManager(CFG)
+    running(mgr, "a", "b")
+    free = mgr.num_free_blocks
+    plans = mgr.allocate_many(["a", "b"], [1, 4 * free + 8])  # b needs more than the pool
+    assert plans[0] is not None and plans[0].start == 6 and plans[0].num_new_tokens == 1
+    assert plans[1] is None
+    mgr.check_invariants()
+    step = mgr.seal_step()
+    assert [p.request_id for p in step.requests] == ["a"]
+
+
+def test_allocate_many_checks_its_arguments_like_allocate() -> None:
+    mgr = KVCacheManager(CFG)
+    running(mgr, "a")
+    with pytest.raises(ValueError, match="2 request ids but 1 token counts"):
+        mgr.allocate_many(["a", "a"], [1])
+    with pytest.raises(ValueError, match="unknown request 'zz'"):
+        mgr.allocate_many(["zz"])
+    mgr.add_request(Request("w", [7, 7, 7, 7, 7]))
+    with pytest.raises(ValueError, match="needs its LookupResult"):
+        mgr.allocate_many(["w"])  # an admission needs a lookup: the per-request rule applies
+
+
+def test_commit_batch_takes_outcomes_in_plan_order() -> None:
+    mgr = KVCacheManager(CFG)
+    running(mgr, "a", "b")
+    assert mgr.allocate_many(["a", "b"]) != [None, None]
+    step = mgr.seal_step()
+    with pytest.raises(ValueError, match="sequence in plan order"):
+        mgr.commit_batch(step.step_id, {"a": (7, [1])})  # type: ignore[arg-type]  # wrong on purpose
+    with pytest.raises(ValueError, match="1 outcomes for a step of 2 plans"):
+        mgr.commit_batch(step.step_id, [(7, [1])])
+    mgr.finish("b")  # deferred: its outcome slot is ignored
+    mgr.commit_batch(step.step_id, [(7, [1]), None])
+    mgr.check_invariants()
+    assert "b" not in mgr.requests and mgr.requests["a"].committed == 7
