@@ -68,9 +68,9 @@ class GhostRecord:
                 seq += 1
                 d[key] = seq << _SHIFT | boundary
         else:
-            for g, key, boundary in evicted:
+            for gid, key, boundary in evicted:
                 seq += 1
-                groups[g][key] = seq << _SHIFT | boundary
+                groups[gid][key] = seq << _SHIFT | boundary
         self._seq = seq
         self._size += seq - start
         if self._size > self._capacity:
@@ -101,7 +101,7 @@ class GhostRecord:
             if len(groups) == 1:
                 groups[0].popitem(last=False)
             else:
-                oldest = min((next(iter(d.values())), g) for g, d in enumerate(groups) if d)[1]
+                oldest = min((next(iter(d.values())), gid) for gid, d in enumerate(groups) if d)[1]
                 groups[oldest].popitem(last=False)
             self._size -= 1
 
@@ -112,9 +112,9 @@ class GhostRecord:
 
     def entries(self) -> list[tuple[int, int, bytes]]:
         """(group_id, boundary, hash), oldest first."""
-        rows = [(v, g, k) for g, d in enumerate(self._by_group) for k, v in d.items()]
+        rows = [(v, gid, k) for gid, d in enumerate(self._by_group) for k, v in d.items()]
         rows.sort()
-        return [(g, v & _MASK, k) for v, g, k in rows]
+        return [(gid, v & _MASK, k) for v, gid, k in rows]
 
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
-        return iter([(g, k) for g, _, k in self.entries()])
+        return iter([(gid, k) for gid, _, k in self.entries()])

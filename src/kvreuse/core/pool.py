@@ -291,14 +291,14 @@ class BlockPool:
         for b in blocks:
             key = key1[b]
             if key is not None:
-                g = group[b]
-                idx = index[g]
+                gid = group[b]
+                idx = index[gid]
                 if more_of and b in more_of:  # the lower keys of a large page, ascending
                     for bd, k in more_of.pop(b):
                         del idx[k]
-                        gone.append((g, k, bd))
+                        gone.append((gid, k, bd))
                 del idx[key]
-                gone.append((g, key, b1[b]))
+                gone.append((gid, key, b1[b]))
                 key1[b] = None
                 num_blocks += 1
             ref[b] = ref_count
@@ -307,8 +307,8 @@ class BlockPool:
             return
         if self.events.enabled:
             removed, page = self.events.removed, self._full_page
-            for g, key, bd in gone:
-                removed(g, key, bd, entry_kind(page[g], bd))
+            for gid, key, bd in gone:
+                removed(gid, key, bd, entry_kind(page[gid], bd))
         self.ghost.add_many(gone)
         self.num_removed_keys += len(gone)
         self.num_evicted_blocks += num_blocks
