@@ -1,8 +1,9 @@
-"""Run vLLM's core benchmark (the anchor) beside ours and turn both into ratios.
+"""Run vLLM's side of the core benchmark (the anchor) beside ours and turn both into ratios.
 
-`run_anchor` runs `vllm_bench.py` from its own folder with its own venv in a subprocess, so
-vLLM's code is only imported there; `round_ratios` pairs its records with ours of the same
-round, `emit_ratios` prints one line per ratio (median over rounds) with the targets.
+`run_anchor` runs `benchmarks/vllm/core_driver.py` with the interpreter of the vLLM venv that
+`benchmarks/vllm/setup_venv.sh` builds, in a subprocess, so vLLM's code is only imported there;
+`round_ratios` pairs its records with ours of the same round, `emit_ratios` prints one line per
+ratio (median over rounds) with the targets.
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-ANCHOR_BENCH = {"hash": "hash", "lookup": "lookup", "cycle": "batch", "memory": "memory"}
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_ANCHOR_DIR = REPO / "benchmarks" / "vllm"  # holds DRIVER and setup_venv.sh
+DEFAULT_ANCHOR_PYTHON = REPO / ".venv-vllm-anchor" / "bin" / "python"
+DRIVER = "core_driver.py"
+SETUP_HINT = "build it with: bash benchmarks/vllm/setup_venv.sh"
 
 
 def log(msg: str) -> None:
@@ -36,18 +41,20 @@ BYTES_TARGET = 190.0  # kvreuse bytes per cached block must also stay at or belo
 def run_anchor(
     em: Any, which: list[str], quick: bool, anchor_dir: Path, anchor_py: Path, repeat: int
 ) -> list[dict[str, Any]] | None:
-    """Run vLLM's vllm_bench.py for our benches `which`; its records, or None (and one
-    `anchor_unavailable` line) if it cannot run."""
-    script = anchor_dir / "vllm_bench.py"
+    """Run the vLLM driver for our benches `which` (hash, lookup, cycle, memory); its records,
+    or None (and one `anchor_unavailable` line) if it cannot run."""
+    # absolute, because the driver runs in anchor_dir (not resolved: a venv's python is a link)
+    script, anchor_py = Path(os.path.abspath(anchor_dir / DRIVER)), Path(os.path.abspath(anchor_py))
     if not anchor_py.exists() or not script.exists():
         missing = anchor_py if not anchor_py.exists() else script
-        em.emit("anchor_unavailable", None, "", reason=f"{missing} does not exist")
-        log(f"anchor: {missing} missing; ratios skipped")
+        hint = SETUP_HINT if missing == anchor_py else f"--anchor-dir must hold {DRIVER}"
+        em.emit("anchor_unavailable", None, "", reason=f"{missing} does not exist; {hint}")
+        log(f"anchor: {missing} does not exist ({hint}); ratios skipped")
         return None
-    fd, out_name = tempfile.mkstemp(prefix="vllm_anchor_", suffix=".jsonl", dir="/tmp")
+    fd, out_name = tempfile.mkstemp(prefix="vllm_anchor_", suffix=".jsonl")
     os.close(fd)
-    only = ",".join(ANCHOR_BENCH[b] for b in which)
-    cmd = [str(anchor_py), "vllm_bench.py", "--only", only, "--out", out_name]
+    only = ",".join(which)
+    cmd = [str(anchor_py), str(script), "--only", only, "--out", out_name]
     cmd += ["--repeat", str(repeat)] + (["--quick"] if quick else [])
     log(f"anchor: running {' '.join(cmd)} in {anchor_dir}")
     t0 = time.perf_counter()
@@ -63,7 +70,7 @@ def run_anchor(
             "anchor_unavailable",
             None,
             "",
-            reason=f"vllm_bench.py exited with {proc.returncode}",
+            reason=f"{DRIVER} exited with {proc.returncode}",
             stderr_tail=proc.stderr[-2000:],
         )
         return None

@@ -44,13 +44,17 @@ from kvreuse import CacheConfig, GroupSpec, KVCacheManager, Request
 from kvreuse.core.hashing import HASH_ALGOS, Hasher, algo_available
 
 sys.path.insert(0, str(Path(__file__).parent))
-from anchor import Ratio, emit_ratios, round_ratios, run_anchor
+from anchor import (
+    DEFAULT_ANCHOR_DIR,
+    DEFAULT_ANCHOR_PYTHON,
+    Ratio,
+    emit_ratios,
+    round_ratios,
+    run_anchor,
+)
 
 A = TypeVar("A")
 T = TypeVar("T")
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_ANCHOR_DIR = REPO.parent / "shared" / "tools" / "vllm-anchor"
-DEFAULT_ANCHOR_PYTHON = REPO / ".venv-vllm-anchor" / "bin" / "python"
 IMPL = f"kvreuse-{kvreuse.__version__}"
 BLOCK = 16  # block size = hash unit in every workload, like the anchor's fa-b16 geometry
 BENCHES = ("hash", "lookup", "cycle", "memory")
@@ -127,7 +131,7 @@ def log(msg: str) -> None:
 
 
 def random_tokens(n: int, seed: int, vocab: int = 32000) -> list[int]:
-    """The anchor's token generator (anchor_common.random_tokens), same seeds."""
+    """The same generator and seeds as benchmarks/vllm/core_driver.py."""
     rng = random.Random(seed)
     return [rng.randrange(vocab) for _ in range(n)]
 
