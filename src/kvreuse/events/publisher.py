@@ -1,0 +1,229 @@
+"""A ZeroMQ publisher of KV events with vLLM's socket protocol and options.
+
+Every batch goes out on a PUB socket as three frames `[topic, seq, payload]`: `seq` is an
+8-byte big-endian counter starting at 0, `payload` the msgpack of `[timestamp, events,
+data_parallel_rank]`. The last `buffer_steps` batches stay in memory for a ROUTER replay socket:
+a request `[client, b"", start_seq]` gets every buffered batch from `start_seq` on as
+`[client, b"", topic, seq, payload]`, then the end marker `[client, b"", b"", -1, b""]`.
+
+`publish(events)` only enqueues the core's events into a queue of at most `max_queue_size`
+batches; one background thread converts, encodes, sends and answers replays, so the step loop
+never waits for a socket. ZeroMQ drops rather than queues past `hwm` messages per subscriber,
+so a subscriber that stops reading costs at most that much. When the queue is full the batch
+is dropped and counted (`dropped_batches`): a subscriber then sees no gap, so the count is the
+only sign, and it should never move unless the thread is starved.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+
+import zmq
+
+from kvreuse.core import Event, Geometry
+from kvreuse.events.convert import MODES, Converter, Mode, attention_group
+from kvreuse.events.routable import RoutableFilter
+from kvreuse.events.wire import EventBatch, LegacyEventBatch, encode_batch, to_legacy
+
+log = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+_POLL_S = 0.02
+
+
+def is_bind_endpoint(endpoint: str) -> bool:
+    """vLLM's rule: wildcard, ipc and inproc endpoints bind; a specific address connects."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def offset_endpoint(endpoint: str | None, data_parallel_rank: int) -> str | None:
+    """vLLM's per-rank endpoint: a tcp port moves up by the rank (port 0 stays 0); an ipc or
+    inproc name gets `_dp<rank>` appended. Rank 0 keeps the endpoint as given."""
+    if not endpoint or data_parallel_rank == 0:
+        return endpoint
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return f"{endpoint}_dp{data_parallel_rank}"
+    base, _, port = endpoint.rpartition(":")
+    if not endpoint.startswith("tcp://") or not port.isdigit():
+        raise ValueError(f"endpoint {endpoint!r}: expected tcp://HOST:PORT, ipc:// or inproc://")
+    return endpoint if port == "0" else f"{base}:{int(port) + data_parallel_rank}"
+
+
+def _check_options(buffer_steps: int, hwm: int, max_queue_size: int, mode: str) -> None:
+    for name, value in (
+        ("buffer_steps", buffer_steps),
+        ("hwm", hwm),
+        ("max_queue_size", max_queue_size),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+
+
+class Publisher:
+    """Publishes a manager's events (`publish(mgr.take_events())` after each step)."""
+
+    def __init__(
+        self,
+        geometry: Geometry,
+        *,
+        endpoint: str = "tcp://*:5557",
+        replay_endpoint: str | None = None,
+        buffer_steps: int = 10_000,
+        hwm: int = 100_000,
+        max_queue_size: int = 100_000,
+        topic: str = "",
+        mode: Mode = "groups",
+        data_parallel_rank: int = 0,
+    ) -> None:
+        _check_options(buffer_steps, hwm, max_queue_size, mode)
+        if not isinstance(data_parallel_rank, int) or data_parallel_rank < 0:
+            raise ValueError(f"data_parallel_rank must be an int ≥ 0, got {data_parallel_rank!r}")
+        endpoint = offset_endpoint(endpoint, data_parallel_rank) or endpoint
+        replay_endpoint = offset_endpoint(replay_endpoint, data_parallel_rank)
+        self.mode = mode
+        self.topic = topic.encode()
+        self.data_parallel_rank = data_parallel_rank
+        self.dropped_batches = 0
+        self.send_ns = 0  # the thread's CPU time converting, encoding, sending (benchmarks)
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._queue: queue.Queue[Sequence[Event]] = queue.Queue(maxsize=max_queue_size)
+        groups = [attention_group(geometry).group_id] if mode != "groups" else None
+        self._converter: Converter | RoutableFilter = (
+            RoutableFilter(geometry) if mode == "routable" else Converter(geometry, groups)
+        )
+        self._next_seq = 0
+        self._stop = threading.Event()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.set_hwm(hwm)
+        self._replay: zmq.Socket[bytes] | None = None
+        try:
+            if is_bind_endpoint(endpoint):
+                self._pub.bind(endpoint)
+                endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                self._pub.connect(endpoint)
+            if replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                # room for a whole replay and its end marker, as vLLM sizes it
+                self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+                self._replay.bind(replay_endpoint)
+                replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as exc:
+            self._close_sockets()
+            raise ValueError(f"cannot open KV event endpoint: {exc}") from None
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        # The sockets were made here but from now on only the thread touches them.
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+
+    @property
+    def unknown_parents(self) -> int:
+        """Pieces sent with a nil parent because their parent hash was not known (see
+        `kvreuse.events.convert`); 0 unless the converter's memories overflowed."""
+        conv = self._converter
+        return conv.unknown_parents if isinstance(conv, Converter) else 0
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the next sent batch will carry."""
+        return self._next_seq
+
+    def publish(self, events: Sequence[Event]) -> None:
+        """Queue one step's events (never blocks; a full queue drops and counts the batch)."""
+        if self._stop.is_set():
+            raise RuntimeError("the KV event publisher is closed")
+        if not events:
+            return
+        try:
+            self._queue.put_nowait(events)
+        except queue.Full:
+            self.dropped_batches += 1
+            if self.dropped_batches == 1:
+                log.warning("KV event queue full: batches are being dropped")
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until every queued batch is sent (for tests and an orderly shutdown)."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return not self._queue.unfinished_tasks
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Send what is queued (up to `timeout`), stop the thread and close the sockets."""
+        if self._stop.is_set():
+            return
+        self.flush(timeout)
+        self._stop.set()
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self._close_sockets()
+
+    shutdown = close
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _close_sockets(self) -> None:
+        self._pub.close(linger=0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._replay is not None and self._replay.poll(0):
+                self._serve_replay()
+            try:
+                events = self._queue.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            t0 = time.thread_time_ns()
+            try:
+                self._send(events)
+            except Exception:  # one bad batch must not stop the stream
+                log.exception("KV event batch could not be published")
+            finally:
+                self.send_ns += time.thread_time_ns() - t0
+                self._queue.task_done()
+
+    def _send(self, events: Sequence[Event]) -> None:
+        wire = self._converter.convert(events)
+        if not wire:
+            return
+        ts = time.time()
+        batch: EventBatch | LegacyEventBatch
+        if self.mode == "legacy":
+            batch = LegacyEventBatch(ts, [to_legacy(e) for e in wire], self.data_parallel_rank)
+        else:
+            batch = EventBatch(ts, wire, self.data_parallel_rank)
+        payload = encode_batch(batch)
+        seq = self._next_seq
+        self._next_seq += 1
+        self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload), copy=False)
+        self.buffer.append((seq, payload))
+
+    def _serve_replay(self) -> None:
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            log.warning("ignored a malformed replay request of %d frames", len(frames))
+            return
+        client = frames[0]
+        start = int.from_bytes(frames[2], "big")
+        for seq, payload in list(self.buffer):
+            if seq >= start:
+                self._replay.send_multipart(
+                    (client, b"", self.topic, seq.to_bytes(8, "big"), payload), copy=False
+                )
+        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
