@@ -536,3 +536,18 @@ def test_fast_algos_across_processes(algo: str) -> None:
 def test_sha256_reproducible_across_processes() -> None:
     here = Hasher().hash_units(list(range(40)))[-1].hex()
     assert _remote_hash("sha256", None) == here
+
+
+def test_a_placeholder_reaching_far_beyond_the_tokens_hashes_per_unit() -> None:
+    """An item of 2**40 tokens must not make the chain enumerate its units up front (it once
+    did: add_request never returned); the keys of the units hashed equal the definition's."""
+    h = Hasher("sha256", 4, 0)
+    item = Item("img", 2, 2**40)
+    chain = h.chain(mm_items=(item,))
+    tokens = list(range(12))
+    chain.extend(tokens)
+    parent = h.template.root
+    for k in range(1, 4):
+        extra = unit_extra_keys(k, 4, 0, None, (item,), None)
+        parent = h.unit_hash(parent, tokens[(k - 1) * 4 : k * 4], (), extra)
+        assert chain.hashes[k] == parent

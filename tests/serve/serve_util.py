@@ -59,3 +59,41 @@ def scrape(url: str) -> dict[str, float]:
             key = m.group(1) + (f"{{{m.group(2)}}}" if m.group(2) else "")
             out[key] = float(m.group(3))
     return out
+
+
+class PoisonEngine:
+    """Wraps an engine; a step holding a request whose prompt starts with `POISON` raises."""
+
+    MARK = (80, 79, 73, 83, 79, 78)  # b"POISON"
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __call__(self, step: StepPlan, seqs: Mapping[str, Any]) -> dict[str, tuple[Any, ...]]:
+        for plan in step.requests:
+            prompt = tuple(seqs[plan.request_id].request.prompt_token_ids[:6])
+            if prompt == self.MARK:
+                raise RuntimeError("the engine cannot run this request")
+        return self.inner(step, seqs)
+
+
+class SlowEngine:
+    """Wraps an engine; each step takes at least `delay` seconds (a model's forward pass)."""
+
+    def __init__(self, inner: Any, delay: float) -> None:
+        self.inner = inner
+        self.delay = delay
+
+    def __call__(self, step: StepPlan, seqs: Mapping[str, Any]) -> dict[str, tuple[Any, ...]]:
+        time.sleep(self.delay)
+        return self.inner(step, seqs)
+
+
+class ScriptTokens:
+    """A token source that answers every request with `script`, token by token."""
+
+    def __init__(self, script: list[int]) -> None:
+        self.script = script
+
+    def __call__(self, seq: Any, position: int, new: Any) -> int:
+        return self.script[(len(seq.output) + len(new)) % len(self.script)]

@@ -37,9 +37,9 @@ Notation (the spec's, used in names and comments):
 
 from kvreuse.core.commit import Outcome
 from kvreuse.core.config import CacheConfig, Geometry, GroupGeometry, GroupSpec
+from kvreuse.core.encoding import TOKEN_TYPECODE
 from kvreuse.core.errors import ConfigError, InvariantError, StaleLookupError, UnknownRequestError
 from kvreuse.core.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, StoredEntry
-from kvreuse.core.hashing import TOKEN_TYPECODE
 from kvreuse.core.kinds import EntryKind
 from kvreuse.core.ledger import StepFate
 from kvreuse.core.lookup import IndexView, LookupResult, Reason, compute_lookup

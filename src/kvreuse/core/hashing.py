@@ -5,9 +5,10 @@ the L tokens after it, because each unit's digest includes its parent.  The modu
 I/O) and imports ``xxhash`` / ``blake3`` only when their algorithm is chosen, so the core stays
 importable without them.
 
-``enc`` is the normative definition of the hashed bytes.  ``Chain.extend`` is the fast path: it
-emits exactly the bytes ``enc`` would, but splices them from precomputed constant pieces and one
-bulk token conversion, because hashing runs on every admitted token.
+``enc`` (in `kvreuse.core.encoding`) is the normative definition of the hashed bytes.
+``Chain.extend`` is the fast path: it emits exactly the bytes ``enc`` would, but splices them
+from precomputed constant pieces and one bulk token conversion, because hashing runs on every
+admitted token.
 """
 
 from __future__ import annotations
@@ -15,21 +16,15 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-import sys
 import warnings
-from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvreuse.core.encoding import INT64_MAX, TokenArray, enc, tok_bytes, u64
+
 HASH_ALGOS = ("sha256", "xxh3_128", "blake3")
 _PACKAGES = {"xxh3_128": "xxhash", "blake3": "blake3"}
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-_LITTLE = sys.byteorder == "little"
-# The 4-byte unsigned array typecode: tokens are hashed, validated (request.py) and built (the
-# simulator's prompts) as such arrays.
-TOKEN_TYPECODE = "I" if array("I").itemsize == 4 else "L"
-assert array(TOKEN_TYPECODE).itemsize == 4
 
 Lora = tuple[str, str]
 
@@ -44,74 +39,6 @@ class MMItem(Protocol):
     def offset(self) -> int: ...
     @property
     def length(self) -> int: ...
-
-
-class TokenArray(tuple[int, ...]):
-    """Token ids that ``enc`` writes as a token array (tag 0x05, 4 bytes per token).
-
-    A marker type rather than "any list of ints", so that a tuple of ints and a token array
-    holding the same ints can never encode alike.
-    """
-
-    __slots__ = ()
-
-    def __new__(cls, tokens: Sequence[int] = ()) -> TokenArray:
-        self = super().__new__(cls, tokens)
-        for t in self:
-            if type(t) is bool or not isinstance(t, int):
-                raise TypeError(f"token must be int, got {type(t).__name__}")
-            if not 0 <= t < 2**32:
-                raise ValueError(f"token {t} out of range [0, 2**32)")
-        return self
-
-
-def _u64(n: int) -> bytes:
-    return n.to_bytes(8, "big")
-
-
-def _tok_bytes(tokens: Sequence[int]) -> bytes:
-    """Tokens as 4-byte big-endian words, converted in one C-level pass."""
-    a = array(TOKEN_TYPECODE)
-    if type(tokens) is list:
-        a.fromlist(tokens)  # faster than array(code, list), which uses the generic sequence API
-    else:
-        a.extend(tokens)
-    if _LITTLE:
-        a.byteswap()
-    return a.tobytes()
-
-
-def _enc_into(value: object, out: bytearray) -> None:
-    # Order matters: bool before int (bool subclasses int), TokenArray before tuple.
-    if value is None:
-        out += b"\x00"
-    elif isinstance(value, bool):
-        raise TypeError("bool is not encodable (it would alias the ints 0 and 1)")
-    elif isinstance(value, int):
-        if not _INT64_MIN <= value <= _INT64_MAX:
-            raise ValueError(f"int {value} out of int64 range")
-        out += b"\x01" + value.to_bytes(8, "big", signed=True)
-    elif isinstance(value, bytes):
-        out += b"\x02" + _u64(len(value)) + value
-    elif isinstance(value, str):
-        raw = value.encode("utf-8")
-        out += b"\x03" + _u64(len(raw)) + raw
-    elif isinstance(value, TokenArray):
-        out += b"\x05" + _u64(len(value)) + _tok_bytes(value)
-    elif isinstance(value, tuple | list):
-        out += b"\x04" + _u64(len(value))
-        for item in value:
-            _enc_into(item, out)
-    else:
-        raise TypeError(f"cannot encode {type(value).__name__}")
-
-
-def enc(value: object) -> bytes:
-    """Canonical tagged, length-prefixed encoding (spec 5.3): unambiguous, so no two distinct
-    values (``("ab", "c")`` vs ``("a", "bc")``, a salt vs a LoRA name) share bytes."""
-    out = bytearray()
-    _enc_into(value, out)
-    return bytes(out)
 
 
 def _import(algo: str) -> Any:
@@ -199,6 +126,8 @@ def _check_extras(lora: Lora | None, mm_items: Sequence[MMItem], cache_salt: str
             raise TypeError(f"multimodal identifier must be str or bytes: {it.identifier!r}")
         if type(it.offset) is not int or type(it.length) is not int:
             raise TypeError(f"multimodal offset and length must be int: {it!r}")
+        if not (0 <= it.offset <= INT64_MAX and 0 <= it.length <= INT64_MAX):  # enc: int64
+            raise ValueError(f"multimodal offset and length must be ints in [0, 2**63): {it!r}")
 
 
 def _prepare(
@@ -285,21 +214,28 @@ class Chain:
         self.num_units = 0
         self._xdef = enc(self._base)  # X_k of every unit without mm keys or salt
         u, la = t.hash_unit, t.lookahead
-        # unit -> its mm keys, built once; items are in canonical order, so each list is too.
-        self._mm: dict[int, list[tuple]] = {}
-        for it in items:
-            if it.length > 0:
-                lo = max(1, (it.offset - la) // u + 1)  # first k with k*u + L > offset
-                hi = -(-(it.offset + it.length) // u)  # last k with (k-1)*u < offset + length
-                for k in range(lo, hi + 1):
-                    key = ("mm", it.identifier, it.offset - (k - 1) * u)
-                    self._mm.setdefault(k, []).append(key)
-        self._special_max = max(self._mm, default=1 if self._salt else 0)  # last unit != _xdef
+        # (first unit, last unit, identifier, offset) of each item whose window meets a unit, in
+        # canonical order. Only the bounds are computed here: an item may reach far beyond the
+        # tokens (a placeholder of 2**40), and its keys are built per unit as units are hashed.
+        self._mm = [
+            (
+                max(1, (it.offset - la) // u + 1),
+                -(-(it.offset + it.length) // u),
+                it.identifier,
+                it.offset,
+            )
+            for it in items
+            if it.length > 0
+        ]
+        # the last unit whose X_k differs from _xdef
+        self._special_max = max((hi for _, hi, _, _ in self._mm), default=1 if self._salt else 0)
 
     def _xenc(self, k: int) -> bytes:
         if k > self._special_max:
             return self._xdef
-        return enc(self._base + tuple(self._mm.get(k, ())) + (self._salt if k == 1 else ()))
+        s = (k - 1) * self.template.hash_unit
+        mm = tuple(("mm", ident, off - s) for lo, hi, ident, off in self._mm if lo <= k <= hi)
+        return enc(self._base + mm + (self._salt if k == 1 else ()))
 
     def extend(self, tokens: Sequence[int]) -> int:
         """Hash every new unit k with ``k*u + L <= len(tokens)``; return the unit count n.
@@ -314,7 +250,7 @@ class Chain:
             return n0
         # Slicing a long list costs more than converting it (refcount traffic on every int), so
         # a first extend converts the whole list; the < u surplus tokens go unused.
-        tb = _tok_bytes(tokens if n0 == 0 else tokens[n0 * u : n * u + la])
+        tb = tok_bytes(tokens if n0 == 0 else tokens[n0 * u : n * u + la])
         step, lstep = 4 * u, 4 * la
         ap, last, join = self.hashes.append, self.hashes[-1], b"".join
         # General path: units whose X_k varies (salt, mm), and every unit in lookahead mode.
@@ -380,9 +316,9 @@ class Hasher:
             hash_unit=hash_unit,
             lookahead=lookahead,
             root=root,
-            pre=b"\x04" + _u64(5) + enc("kvr/unit") + b"\x02" + _u64(len(root)),
-            mid=b"\x05" + _u64(hash_unit),
-            la_hdr=b"\x05" + _u64(lookahead),
+            pre=b"\x04" + u64(5) + enc("kvr/unit") + b"\x02" + u64(len(root)),
+            mid=b"\x05" + u64(hash_unit),
+            la_hdr=b"\x05" + u64(lookahead),
             unit_struct=struct.Struct(f"{4 * hash_unit}s"),
             ctor=ctor,
             digest=self.digest,

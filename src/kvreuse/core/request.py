@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NamedTuple
 
-from kvreuse.core.hashing import TOKEN_TYPECODE, Chain, Hasher
+from kvreuse.core.encoding import TOKEN_TYPECODE
+from kvreuse.core.hashing import Chain, Hasher
 from kvreuse.core.plan import RecurrentSlot, RequestPlan
 
 MAX_TOKEN = 2**32
@@ -169,7 +170,26 @@ def new_request_state(req: Request, hasher: Hasher) -> RequestState:
     mm = tuple(req.mm_items)
     if not all(isinstance(m, MultiModalItem) for m in mm):
         raise TypeError(f"request {rid!r}: mm_items must be MultiModalItem instances")
-    chain = hasher.chain(lora=lora, mm_items=mm, cache_salt=req.cache_salt)
+    # Every extra key must encode (spec 5.3) before anything is registered: a lone surrogate
+    # (valid in a Python str, not in UTF-8) would otherwise fail the commit that hashes unit 1.
+    texts: list[tuple[str, object]] = [("cache_salt", req.cache_salt)]
+    if lora is not None:
+        texts += [("lora name", lora[0]), ("lora path", lora[1])]
+    texts += [("multimodal identifier", m.identifier) for m in mm]
+    for what, text in texts:
+        if isinstance(text, str) and not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(
+                    f"request {rid!r}: {what} is not valid Unicode text: "
+                    f"{text[exc.start : exc.end]!r} at index {exc.start} is a lone surrogate"
+                ) from None
+    try:  # types and ranges of the extra keys (kvreuse.core.hashing)
+        chain = hasher.chain(lora=lora, mm_items=mm, cache_salt=req.cache_salt)
+    except (TypeError, ValueError) as exc:
+        kind = TypeError if isinstance(exc, TypeError) else ValueError
+        raise kind(f"request {rid!r}: {exc}") from None
     src = req.prompt_token_ids
     # A 4-byte unsigned array hashes from its own buffer (a copy), not from the list made of it.
     chain.extend(src if type(src) is array and src.typecode == TOKEN_TYPECODE else tokens)

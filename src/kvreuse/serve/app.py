@@ -1,49 +1,66 @@
 """The OpenAI-compatible HTTP app: `create_app(backend)`.
 
-GET  /health                 200 {"status": "ok"}, 503 when the step loop has failed
+GET  /health                 200 {"status": "ok"}; 503 when the step loop has failed or the
+                             server is draining
 GET  /v1/models              the one model served
 POST /v1/completions         prompt: text or token ids; SSE with "stream": true
 POST /v1/chat/completions    the chat template of `kvreuse.serve.protocol`
-GET  /metrics                Prometheus text (own registry per app)
-POST /reset_prefix_cache     200, or 409 while blocks are in use
+GET  /metrics                Prometheus text (own registry per app); only on `metrics_port`
+                             when one is given
+POST /reset_prefix_cache     200, or 409 while blocks are in use; needs the admin token when
+                             one is configured (401 otherwise)
 GET  /kvreuse/geometry       the cache geometry as a TOML geometry file (for qualify)
+
+Bodies are read up to `max_body_bytes` (413 beyond) and decoded, validated and tokenised in a
+worker thread, so a large body does not stall the event loop (`/health` included).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import time
-from collections.abc import AsyncIterator
+import hmac
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvreuse.deployment import geometry_toml
 from kvreuse.serve.backend import Backend
-from kvreuse.serve.generate import Gen, check_model, prepare, run, submit
-from kvreuse.serve.loop import Delta, EngineLoop
+from kvreuse.serve.body import DEFAULT_MAX_BODY_BYTES, Disconnected, decode_json, read_body
+from kvreuse.serve.generate import Gen, check_model, check_prompt_length, prepare, run, submit
+from kvreuse.serve.lifecycle import Lifecycle
+from kvreuse.serve.loop import EngineLoop, Unavailable
 from kvreuse.serve.metrics import new_registry, take_snapshot
-from kvreuse.serve.protocol import (
-    ApiError,
-    ChatRequest,
-    CompletionRequest,
-    parse,
-    render_chat,
-)
+from kvreuse.serve.openapi import error_responses, install_openapi, request_body
+from kvreuse.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse, render_chat
+from kvreuse.serve.stream import GuardedStream, message, sse
+
+METRICS_ONLY = ("/metrics", "/health")  # what the separate metrics listener serves
 
 
 def create_app(
-    backend: Backend, *, max_pending: int = 256, force_include_usage: bool = False
+    backend: Backend,
+    *,
+    max_pending: int = 256,
+    force_include_usage: bool = False,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    stream_stall_timeout: float = 30.0,
+    admin_token: str | None = None,
+    metrics_port: int | None = None,
 ) -> FastAPI:
     """`force_include_usage`: every stream ends with a usage chunk, even when the client did not
-    ask for one with `stream_options.include_usage` (vLLM's --enable-force-include-usage)."""
+    ask for one with `stream_options.include_usage` (vLLM's --enable-force-include-usage).
+    `metrics_port`: serve /metrics only on connections to that local port (and nothing else
+    there but /health)."""
     engine = EngineLoop(backend, max_pending)
-    registry, collector = new_registry()
+    life = Lifecycle(engine)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -51,19 +68,35 @@ def create_app(
         try:
             yield
         finally:
-            engine.stop()
+            engine.stop(timeout=10.0)
 
-    app = FastAPI(title="kvreuse", lifespan=lifespan)
-    app.state.engine, app.state.backend = engine, backend
+    app = FastAPI(title="kvreuse", version="0.1.0", lifespan=lifespan)
+    app.state.engine, app.state.backend, app.state.lifecycle = engine, backend, life
+    _install_errors(app)
+    if metrics_port is not None:
+        app.add_middleware(_PortSplit, metrics_port=metrics_port)
+    _info_routes(app, engine, backend, life)
+    _admin_routes(app, engine, admin_token)
+    opts = _GenOptions(max_body_bytes, force_include_usage, stream_stall_timeout)
+    _generation_routes(app, engine, backend, life, opts)
+    install_openapi(app, (CompletionRequest, ChatRequest))
+    return app
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_: HttpRequest, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
 
-    @app.get("/health")
+@dataclass(frozen=True)
+class _GenOptions:
+    max_body_bytes: int
+    force_include_usage: bool
+    stream_stall_timeout: float
+
+
+def _info_routes(app: FastAPI, engine: EngineLoop, backend: Backend, life: Lifecycle) -> None:
+    @app.get("/health", responses=error_responses(503))
     async def health() -> JSONResponse:
         if not engine.alive:
             raise ApiError(503, engine.failure or "not running", type="service_unavailable")
+        if life.draining:
+            raise ApiError(503, "the server is shutting down", type="service_unavailable")
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
@@ -83,14 +116,19 @@ def create_app(
             geometry_toml(backend.live_deployment()), media_type="application/toml"
         )
 
-    @app.get("/metrics")
+
+def _admin_routes(app: FastAPI, engine: EngineLoop, admin_token: str | None) -> None:
+    registry, collector = new_registry()
+
+    @app.get("/metrics", responses=error_responses(503))
     async def metrics() -> Response:
         snap = await engine.call(lambda b: take_snapshot(b, engine.stats))
         collector.set(snap)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/reset_prefix_cache")
-    async def reset() -> JSONResponse:
+    @app.post("/reset_prefix_cache", responses=error_responses(401, 409, 503))
+    async def reset(http: HttpRequest) -> JSONResponse:
+        _check_admin(admin_token, http)
         if not await engine.call(_reset):
             raise ApiError(
                 409,
@@ -101,35 +139,118 @@ def create_app(
             )
         return JSONResponse({"status": "reset"})
 
-    @app.post("/v1/completions")
+
+def _generation_routes(
+    app: FastAPI, engine: EngineLoop, backend: Backend, life: Lifecycle, opts: _GenOptions
+) -> None:
+    async def generate(http: HttpRequest, build: Callable[[bytes], tuple[Any, Gen]]) -> Response:
+        try:
+            raw = await read_body(http, opts.max_body_bytes)
+        except Disconnected:
+            return Response(status_code=499)
+        req, gen = await asyncio.to_thread(build, raw)  # decoding and tokenising: off the loop
+        life.enter(gen)
+        try:
+            return await _respond(engine, backend, gen, req, http, life, opts)
+        except BaseException:
+            life.leave(gen)
+            raise
+
+    body, errors = request_body(CompletionRequest), error_responses()
+
+    @app.post("/v1/completions", openapi_extra=body, responses=errors)
     async def completions(http: HttpRequest) -> Response:
-        req: CompletionRequest = parse(CompletionRequest, await _json(http))
-        check_model(backend, req.model)
-        prompt = _completion_prompt(backend, req.prompt)
-        gen = prepare(backend, req, prompt, "cmpl", req.max_tokens)
-        return await _respond(engine, backend, gen, req, http, False, force_include_usage)
+        return await generate(http, lambda raw: _build_completion(backend, raw))
 
-    @app.post("/v1/chat/completions")
+    body = request_body(ChatRequest)
+
+    @app.post("/v1/chat/completions", openapi_extra=body, responses=errors)
     async def chat(http: HttpRequest) -> Response:
-        req: ChatRequest = parse(ChatRequest, await _json(http))
-        check_model(backend, req.model)
-        prompt = backend.tokenizer.encode(render_chat(req.messages))
-        limit = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
-        gen = prepare(backend, req, prompt, "chatcmpl", limit)
-        return await _respond(engine, backend, gen, req, http, True, force_include_usage)
+        return await generate(http, lambda raw: _build_chat(backend, raw))
 
-    return app
+
+def _install_errors(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_: HttpRequest, exc: ApiError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(Unavailable)
+    async def _unavailable(_: HttpRequest, exc: Unavailable) -> JSONResponse:
+        err = ApiError(503, str(exc), type="service_unavailable")
+        return JSONResponse(err.body(), status_code=503)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(http: HttpRequest, exc: HTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            msg, code = f"no such endpoint: {http.method} {http.url.path}", "not_found"
+        elif exc.status_code == 405:
+            msg, code = f"{http.method} is not allowed on {http.url.path}", "method_not_allowed"
+        else:
+            msg, code = str(exc.detail), None
+        err = ApiError(exc.status_code, msg, code=code)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+
+class _PortSplit:
+    """ASGI middleware: on the metrics listener only METRICS_ONLY; elsewhere no /metrics."""
+
+    def __init__(self, app: ASGIApp, metrics_port: int) -> None:
+        self.app = app
+        self.metrics_port = metrics_port
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            server = scope.get("server")
+            on_metrics = server is not None and server[1] == self.metrics_port
+            path = scope["path"]
+            if (path == "/metrics" and not on_metrics) or (on_metrics and path not in METRICS_ONLY):
+                err = ApiError(404, f"no such endpoint on this port: {path}", code="not_found")
+                await JSONResponse(err.body(), status_code=404)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _check_admin(token: str | None, http: HttpRequest) -> None:
+    if token is None:
+        return
+    given = http.headers.get("authorization", "")
+    scheme, _, value = given.partition(" ")
+    ok = scheme.lower() == "bearer" and hmac.compare_digest(
+        value.strip().encode("utf-8", "surrogateescape"), token.encode("utf-8")
+    )
+    if not ok:
+        raise ApiError(
+            401,
+            "this endpoint needs the admin token: send 'Authorization: Bearer <token>'",
+            type="authentication_error",
+            code="invalid_admin_token",
+        )
 
 
 def _reset(backend: Backend) -> bool:
     return not backend.scheduler.has_work() and backend.mgr.reset()
 
 
-async def _json(http: HttpRequest) -> Any:
-    try:
-        return json.loads(await http.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+def _build_completion(backend: Backend, raw: bytes) -> tuple[CompletionRequest, Gen]:
+    body = decode_json(raw)
+    if isinstance(body, dict):
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+            prompt = prompt[0]
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
+            check_prompt_length(backend, len(prompt))  # before any per-token work
+    req: CompletionRequest = parse(CompletionRequest, body)
+    ids = _completion_prompt(backend, req.prompt)
+    return req, prepare(backend, req, ids, "cmpl", req.max_tokens)
+
+
+def _build_chat(backend: Backend, raw: bytes) -> tuple[ChatRequest, Gen]:
+    req: ChatRequest = parse(ChatRequest, decode_json(raw))
+    check_model(backend, req.model)
+    prompt = backend.tokenizer.encode(render_chat(req.messages))
+    limit = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
+    return req, prepare(backend, req, prompt, "chatcmpl", limit)
 
 
 def _completion_prompt(backend: Backend, prompt: Any) -> list[int]:
@@ -152,101 +273,32 @@ async def _respond(
     gen: Gen,
     req: Any,
     http: HttpRequest,
-    chat: bool,
-    force_usage: bool,
+    life: Lifecycle,
+    opts: _GenOptions,
 ) -> Response:
+    chat = isinstance(req, ChatRequest)
     out = submit(engine, gen)
     if req.stream:
         asked = req.stream_options is not None and req.stream_options.include_usage
-        usage = force_usage or asked
-        return StreamingResponse(
-            _sse(engine, backend, gen, out, http, chat, req.return_token_ids, usage),
-            media_type="text/event-stream",
-        )
-    async for _ in run(engine, backend, gen, out, http):
-        pass
+        usage = opts.force_include_usage or asked
+        events = sse(engine, backend, gen, out, http, chat, req.return_token_ids, usage)
+        return GuardedStream(_leaving(events, life, gen), opts.stream_stall_timeout, gen.rid)
+    try:
+        async for _ in run(engine, backend, gen, out, http):
+            pass
+    finally:
+        life.leave(gen)
     if gen.finish_reason == "disconnect":
         return Response(status_code=499)
-    head = _head(gen, backend, chat)
-    if chat:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "logprobs": None,
-            "finish_reason": gen.finish_reason,
-            "message": {"role": "assistant", "content": gen.text},
-        }
-    else:
-        choice = {
-            "index": 0,
-            "text": gen.text,
-            "logprobs": None,
-            "finish_reason": gen.finish_reason,
-        }
-    if req.return_token_ids:
-        choice["prompt_token_ids"], choice["token_ids"] = gen.prompt, gen.token_ids
-    return JSONResponse({**head, "choices": [choice], "usage": gen.usage()})
+    return JSONResponse(message(gen, backend, chat, req.return_token_ids))
 
 
-def _head(gen: Gen, backend: Backend, chat: bool, chunk: bool = False) -> dict[str, Any]:
-    kind = "chat.completion" if chat else "text_completion"
-    return {
-        "id": gen.rid,
-        "object": kind + (".chunk" if chat and chunk else ""),
-        "created": int(time.time()),
-        "model": backend.name,
-    }
-
-
-def _chunk(
-    head: dict[str, Any], chat: bool, text: str | None, reason: str | None, role: bool = False
-) -> str:
-    if chat:
-        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-        if text:
-            delta["content"] = text
-        choice: dict[str, Any] = {
-            "index": 0,
-            "delta": delta,
-            "logprobs": None,
-            "finish_reason": reason,
-        }
-    else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-    return _event({**head, "choices": [choice], "usage": None})
-
-
-def _event(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
-
-
-async def _sse(
-    engine: EngineLoop,
-    backend: Backend,
-    gen: Gen,
-    out: asyncio.Queue[Delta],
-    http: HttpRequest,
-    chat: bool,
-    token_ids: bool,
-    usage: bool,
-) -> AsyncIterator[str]:
-    head = _head(gen, backend, chat, chunk=True)
+async def _leaving(events: AsyncIterator[str], life: Lifecycle, gen: Gen) -> AsyncIterator[str]:
     try:
-        if chat:
-            yield _chunk(head, chat, None, None, role=True)
-        async for text in run(engine, backend, gen, out, http):
-            if text:
-                yield _chunk(head, chat, text, None)
-    except ApiError as exc:
-        yield _event(exc.body())
-        yield "data: [DONE]\n\n"
-        return
-    if gen.finish_reason == "disconnect":
-        return
-    final = json.loads(_chunk(head, chat, None, gen.finish_reason)[len("data: ") :])
-    if token_ids:
-        final["choices"][0]["prompt_token_ids"] = gen.prompt
-        final["choices"][0]["token_ids"] = gen.token_ids
-    yield _event(final)
-    if usage:
-        yield _event({**head, "choices": [], "usage": gen.usage()})
-    yield "data: [DONE]\n\n"
+        async for e in events:
+            yield e
+    finally:
+        life.leave(gen)
+        close = getattr(events, "aclose", None)
+        if close is not None:
+            await close()

@@ -9,8 +9,11 @@ save at the end of a step only.
 
 from __future__ import annotations
 
+import inspect
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from kvreuse.core import KVCacheManager
@@ -51,6 +54,8 @@ class Backend:
     deployment: Deployment | None = None  # what it was built from (None: an engine's own)
     make_sampling: Callable[..., Any] = _fake_sampling
     vocab_size: int | None = None  # token ids a prompt may hold (default: the tokenizer's)
+    aliases: tuple[str, ...] = ()  # other names `model` may give (an earlier naming)
+    notes: tuple[str, ...] = ()  # what `kvreuse serve` should tell the operator at start
 
     @property
     def token_limit(self) -> int:
@@ -79,6 +84,18 @@ def fake_backend(
     return Backend(name, ByteTokenizer(), sched, geo.max_model_len or 2048, geo)
 
 
+def served_name(engine_name: str, model: str | None) -> str:
+    """The name clients use: a model directory's name, or for the embedded model
+    "kvreuse-tiny-" + the geometry's name without a leading "tiny-" or a file's directory and
+    extension ("kvreuse-tiny-hybrid-dcp4", "kvreuse-tiny-my-geometry")."""
+    if model is not None:
+        return Path(model).name or engine_name
+    geo = engine_name.removeprefix("kvreuse-tiny-")
+    if geo.endswith(".toml") or "/" in geo or os.sep in geo:
+        geo = Path(geo).stem
+    return "kvreuse-tiny-" + geo.removeprefix("tiny-")
+
+
 def default_backend(
     model: str | None = None, geometry: DeploymentSpec | None = None, num_blocks: int | None = None
 ) -> Backend:
@@ -97,12 +114,27 @@ def default_backend(
     geo = kwargs.get("geometry")
     model_cfg = getattr(getattr(llm, "model", None), "config", None)
     vocab = getattr(model_cfg, "vocab_size", None)
+    name = served_name(llm.model_name, model)
+    wanted = (geo or resolve(_engine_default_geometry(LLM))).max_model_len
+    notes: tuple[str, ...] = ()
+    if wanted is not None and wanted > llm.max_model_len:
+        notes = (
+            f"warning: the model's context ({llm.max_model_len} positions) caps the geometry's "
+            f"max_model_len {wanted}; serving at most {llm.max_model_len} tokens per request",
+        )
     return Backend(
-        llm.model_name,
+        name,
         llm.tokenizer,
         llm.scheduler,
         llm.max_model_len,
         geo,
         SamplingParams,
         vocab if isinstance(vocab, int) else None,
+        aliases=tuple({llm.model_name} - {name}),
+        notes=notes,
     )
+
+
+def _engine_default_geometry(llm_class: Any) -> Any:
+    """The geometry `LLM` uses when given none (read from its signature, not repeated here)."""
+    return inspect.signature(llm_class).parameters["geometry"].default

@@ -1,21 +1,24 @@
 """From a validated OpenAI request to tokens and back: prompt checks, the request's life in the
-step loop (with disconnect detection), incremental detokenisation and stop strings."""
+step loop (with disconnect detection) and its text (`kvreuse.serve.detok`)."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request as HttpRequest
 
 from kvreuse.serve.backend import Backend
+from kvreuse.serve.detok import TextState, advance
 from kvreuse.serve.loop import Delta, EngineLoop, Overloaded, Unavailable
-from kvreuse.serve.protocol import ApiError, _Common
+from kvreuse.serve.protocol import ApiError, _Common, short
 
 DEFAULT_MAX_TOKENS = 16
+MAX_STOPS = 16  # stop strings per request (OpenAI allows 4)
+MAX_STOP_CHARS = 256
 
 
 @dataclass
@@ -30,9 +33,17 @@ class Gen:
     stop_ids: frozenset[int]
     stop_strs: tuple[str, ...]
     token_ids: list[int] = field(default_factory=list)
-    text: str = ""
     cached_tokens: int = 0
     finish_reason: str | None = None
+    out: asyncio.Queue[Delta] | None = None  # set by `submit`
+    text_state: TextState = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.text_state = TextState(self.stop_strs)
+
+    @property
+    def text(self) -> str:
+        return self.text_state.text
 
     def usage(self) -> dict[str, Any]:
         return {
@@ -44,12 +55,24 @@ class Gen:
 
 
 def check_model(backend: Backend, model: str | None) -> None:
-    if model is not None and model != backend.name:
+    if model is not None and model != backend.name and model not in backend.aliases:
         raise ApiError(
             400,
-            f"the model {model!r} does not exist; this server serves {backend.name!r}",
+            f"the model {short(model)} does not exist; this server serves {backend.name!r}",
             param="model",
             code="model_not_found",
+        )
+
+
+def check_prompt_length(backend: Backend, num_tokens: int) -> None:
+    """Before any per-token work: a prompt at or above the context length is refused."""
+    limit = backend.max_model_len
+    if num_tokens >= limit:
+        raise ApiError(
+            400,
+            f"this model's maximum context length is {limit} tokens; the prompt has {num_tokens}",
+            param="prompt",
+            code="context_length_exceeded",
         )
 
 
@@ -62,47 +85,26 @@ def prepare(
         raise ApiError(400, "only n = 1 is supported", param="n")
     if not prompt:
         raise ApiError(400, "the prompt is empty; at least one token is needed", param="prompt")
+    check_prompt_length(backend, len(prompt))
     vocab = backend.token_limit
     bad = next((t for t in prompt if not 0 <= t < vocab), None)
     if bad is not None:
         raise ApiError(
-            400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt"
+            400, f"token id {short(bad)} is outside the vocabulary [0, {vocab})", param="prompt"
         )
-    limit = backend.max_model_len
-    if len(prompt) >= limit:
-        raise ApiError(
-            400,
-            f"this model's maximum context length is {limit} tokens; the prompt has {len(prompt)}",
-            param="prompt",
-            code="context_length_exceeded",
-        )
-    n = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-    if n < 1:
-        raise ApiError(400, f"max_tokens must be at least 1, got {n}", param="max_tokens")
-    if len(prompt) + n > limit:
-        raise ApiError(
-            400,
-            f"this model's maximum context length is {limit} tokens; the prompt "
-            f"({len(prompt)}) plus max_tokens ({n}) exceed it",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
-    cfg = backend.mgr.config
-    need = cfg.blocks_for_request(len(prompt) + n)
-    if need > cfg.num_blocks - 1:
-        raise ApiError(
-            400,
-            f"the request needs {need} KV blocks; the cache has {cfg.num_blocks - 1}",
-            param="max_tokens",
-        )
+    n = _max_tokens(backend, len(prompt), max_tokens)
     for name, value, lo, hi in (("temperature", req.temperature, 0, 2), ("top_p", req.top_p, 0, 1)):
         if value is not None and not lo <= value <= hi:
             raise ApiError(400, f"{name} must be in [{lo}, {hi}], got {value}", param=name)
+    if req.top_k is not None and req.top_k < -1:
+        raise ApiError(
+            400, f"top_k must be -1, 0 (off) or ≥ 1, got {short(req.top_k)}", param="top_k"
+        )
     stop_ids = set()
     eos = backend.tokenizer.eos_token_id
     if eos is not None and not req.ignore_eos:
         stop_ids.add(eos)
-    stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    stops = _stops(req.stop)
     sampling = make_sampling(backend, req, n, frozenset(stop_ids))
     return Gen(
         f"{prefix}-{uuid.uuid4().hex}",
@@ -111,17 +113,53 @@ def prepare(
         sampling,
         req.cache_salt,
         frozenset(stop_ids),
-        tuple(s for s in stops if s),
+        stops,
     )
 
 
+def _max_tokens(backend: Backend, num_prompt: int, max_tokens: int | None) -> int:
+    limit = backend.max_model_len
+    n = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    if n < 1:
+        raise ApiError(400, f"max_tokens must be at least 1, got {short(n)}", param="max_tokens")
+    if num_prompt + n > limit:
+        raise ApiError(
+            400,
+            f"this model's maximum context length is {limit} tokens; the prompt "
+            f"({num_prompt}) plus max_tokens ({short(n)}) exceed it",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    cfg = backend.mgr.config
+    need = cfg.blocks_for_request(num_prompt + n)
+    if need > cfg.num_blocks - 1:
+        raise ApiError(
+            400,
+            f"the request needs {need} KV blocks; the cache has {cfg.num_blocks - 1}",
+            param="max_tokens",
+        )
+    return n
+
+
+def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ApiError(
+            400,
+            f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters each",
+            param="stop",
+        )
+    return tuple(s for s in stops if s)
+
+
 def make_sampling(backend: Backend, req: _Common, max_tokens: int, stop: frozenset[int]) -> Any:
+    top_k = req.top_k or 0
     try:
         return backend.make_sampling(
             max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else float(req.temperature),
             top_p=1.0 if req.top_p is None else float(req.top_p),
-            top_k=req.top_k or 0,
+            top_k=0 if top_k == -1 else top_k,
             seed=req.seed,
             stop_token_ids=tuple(sorted(stop)),
         )
@@ -131,7 +169,7 @@ def make_sampling(backend: Backend, req: _Common, max_tokens: int, stop: frozens
 
 def submit(engine: EngineLoop, gen: Gen) -> asyncio.Queue[Delta]:
     try:
-        return engine.submit(
+        gen.out = engine.submit(
             gen.rid, gen.prompt, gen.max_tokens, gen.sampling, gen.salt, gen.stop_ids
         )
     except Overloaded as exc:
@@ -143,6 +181,7 @@ def submit(engine: EngineLoop, gen: Gen) -> asyncio.Queue[Delta]:
         ) from None
     except Unavailable as exc:
         raise ApiError(503, str(exc), type="service_unavailable") from None
+    return gen.out
 
 
 async def _watch_disconnect(http: HttpRequest, out: asyncio.Queue[Delta]) -> None:
@@ -153,9 +192,15 @@ async def _watch_disconnect(http: HttpRequest, out: asyncio.Queue[Delta]) -> Non
             return
 
 
+def delta_error(delta: Delta) -> ApiError:
+    status = delta.status or 500
+    kind = {400: "invalid_request_error", 503: "service_unavailable"}.get(status, "server_error")
+    return ApiError(status, delta.error or "the request failed", type=kind, code=delta.code)
+
+
 async def run(
     engine: EngineLoop, backend: Backend, gen: Gen, out: asyncio.Queue[Delta], http: HttpRequest
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     """Drive `gen` (already `submit`ted, its deltas arrive in `out`) to its end, yielding text.
 
     A client disconnect ends the iteration with finish_reason "disconnect"; leaving early for any
@@ -167,11 +212,8 @@ async def run(
         while gen.finish_reason is None:
             delta = await out.get()
             if delta.error is not None:
-                raise ApiError(
-                    503 if delta.finish_reason == "error" else 500,
-                    delta.error,
-                    type="service_unavailable",
-                )
+                finished = delta.finished
+                raise delta_error(delta)
             if delta.finish_reason == "disconnect":
                 gen.finish_reason = "disconnect"
                 return
@@ -179,27 +221,13 @@ async def run(
                 gen.cached_tokens = delta.cached_tokens
             gen.token_ids.extend(delta.token_ids)
             finished = delta.finish_reason is not None
-            text = _detok(backend, gen, delta.finish_reason)
+            text = advance(backend.tokenizer, gen.text_state, gen.token_ids, finished)
+            if gen.text_state.stopped:
+                gen.finish_reason = "stop"
+            elif finished:
+                gen.finish_reason = delta.finish_reason
             if text:
                 yield text
     finally:
         watcher.cancel()
         engine.release(gen.rid, finished)
-
-
-def _detok(backend: Backend, gen: Gen, reason: str | None) -> str:
-    """The new text since the last call; applies stop strings; sets gen.finish_reason."""
-    full = backend.tokenizer.decode(gen.token_ids)
-    for s in gen.stop_strs:
-        i = full.find(s, max(0, len(gen.text) - len(s)))
-        if i >= 0:
-            full, reason = full[:i], "stop"
-    if reason is None:
-        keep = max((len(s) for s in gen.stop_strs), default=1) - 1
-        if full.endswith("\ufffd"):
-            keep = max(keep, 1)
-        full = full[: max(len(gen.text), len(full) - keep)]
-    new = full[len(gen.text) :]
-    gen.text = full
-    gen.finish_reason = reason
-    return new

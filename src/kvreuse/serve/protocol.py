@@ -1,5 +1,5 @@
 """OpenAI request models (strict types: a wrong type is a 400, never a silent coercion), error
-bodies, and the chat template.
+bodies, the OpenAI parameters this server does not implement, and the chat template.
 
 Chat template (prefix-stable: appending messages never changes the text of earlier ones, so each
 turn of a conversation reuses the cache of the previous turn):
@@ -12,6 +12,9 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+# torch.Generator.manual_seed accepts exactly this range (negative seeds are remapped)
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 class ApiError(Exception):
@@ -46,6 +49,19 @@ class ApiError(Exception):
         }
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error answer (OpenAI's shape)."""
+
+    error: ErrorDetail
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
@@ -57,8 +73,8 @@ class _Common(BaseModel):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None  # extension (vLLM)
-    seed: int | None = None
+    top_k: int | None = None  # extension (vLLM): 0 or -1 turns it off
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -84,17 +100,69 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = None
 
 
+# OpenAI parameters this server does not implement, with the values that mean "not used" (a
+# client may send those). Anything else is refused by name rather than silently ignored.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+}
+
+
+def _unused(value: Any, allowed: tuple[Any, ...]) -> bool:
+    # type-exact: 0 == False in Python, but "logprobs": false and "logprobs": 0 both mean off
+    return any(type(value) is type(a) and value == a for a in allowed)
+
+
+def check_unsupported(body: dict[str, Any]) -> None:
+    bad = [k for k, allowed in UNSUPPORTED.items() if k in body and not _unused(body[k], allowed)]
+    if bad:
+        raise ApiError(
+            400,
+            f"unsupported parameter(s): {', '.join(bad)}; this server does not implement "
+            f"{'it' if len(bad) == 1 else 'them'} (leave them out, or send null)",
+            param=bad[0],
+            code="unsupported_parameter",
+        )
+
+
+def short(value: Any, limit: int = 40) -> str:
+    """A value for an error message, cut when long (a 4,000-digit integer, a huge string)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+
+
 def parse(model: type[BaseModel], body: Any) -> Any:
     """Validate a JSON body; the first problem becomes a 400 naming its field."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    check_unsupported(body)
     try:
         return model.model_validate(body)
     except ValidationError as exc:
         err = exc.errors()[0]
-        param = str(err["loc"][0]) if err["loc"] else None
+        param = ".".join(str(x) for x in err["loc"]) or None
         msg = f"{param}: {err['msg']}" if param else err["msg"]
-        raise ApiError(400, msg, param=param) from None
+        if (
+            err["loc"]
+            and err["loc"][0] == "seed"
+            and err["type"] in ("less_than_equal", "greater_than_equal")
+        ):
+            msg = (
+                f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (a 64-bit generator "
+                f"seed), got {short(body.get('seed'))}"
+            )
+        raise ApiError(400, msg, param=str(err["loc"][0]) if err["loc"] else None) from None
 
 
 def message_text(msg: ChatMessage, index: int) -> str:
