@@ -23,7 +23,7 @@ from kvreuse.engine import LLM, SamplingParams
 def _timed(llm: LLM, prompt: list[int]) -> tuple[float, int, int]:
     before = llm.runner.num_forward_tokens
     t0 = time.perf_counter()
-    out = llm.generate([prompt], SamplingParams(max_tokens=1))[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))[0]
     wall = time.perf_counter() - t0
     return wall, out.cached_tokens, llm.runner.num_forward_tokens - before
 
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(args.threads)
     other = [(t + 1) % 256 for t in prompt[:64]]  # warm up torch on a prefix nobody shares
-    llm.generate([other], SamplingParams(max_tokens=1))
+    llm.generate([other], SamplingParams(max_tokens=1, temperature=0))
     runs = [("cold", prompt), ("warm_identical", prompt), ("warm_extended", extended)]
     results = {}
     for name, p in runs:

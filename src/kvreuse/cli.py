@@ -1,4 +1,5 @@
-"""Command line: `kvreuse demo | workload | simulate | serve | qualify` (also `python -m kvreuse`).
+"""Command line: `kvreuse demo | workload | simulate | geometry | serve | qualify` (also
+`python -m kvreuse`).
 
 The demo runs a cold request and an identical warm resend on the groups of the `hybrid-dcp4`
 preset (full attention, local block 2048 × dcp 4 = 8192-token pages, a 256-token recurrent
@@ -9,12 +10,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import NoReturn
 
-from kvreuse.core import CacheConfig, GroupSpec, KVCacheManager, Request
+from kvreuse.core import CacheConfig, GroupGeometry, GroupSpec, KVCacheManager, Request
+from kvreuse.deployment import PRESETS, GeometryError, check_num_blocks, geometry_toml, resolve
+from kvreuse.sim.workload_cli import int_list, int_range
 
 
 def demo_config(num_blocks: int = 4096) -> CacheConfig:
@@ -61,15 +65,11 @@ def run_demo(lengths: Sequence[int], seed: int) -> list[dict[str, object]]:
     return out
 
 
+DEMO_MAX_LENGTH = 1 << 20  # tokens per demo prompt; the demo's pool holds far more
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
-    lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
-    if not lengths or min(lengths) < 1:
-        print(
-            f"kvreuse demo: --lengths must be positive integers, got {args.lengths!r}",
-            file=sys.stderr,
-        )
-        return 2
-    rows = run_demo(lengths, args.seed)
+    rows = run_demo(args.lengths, args.seed)
     if args.json:
         for row in rows:
             print(json.dumps({k: v for k, v in row.items() if k != "explain"}))
@@ -77,7 +77,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     print("geometry: full attention 2048 x dcp 4 = 8192-token pages + recurrent 256, unit 256")
     for row in rows:
         print(
-            f"\n{row['request']:>12}: {row['cached_tokens']:>5} of {row['prompt_tokens']} "
+            f"\n{row['request']:>12}: {row['cached_tokens']:>5,} of {row['prompt_tokens']:,} "
             f"tokens reused ({row['reason']}); copies {row['copies']}, "
             f"checkpoints saved at {row['saves']}"
         )
@@ -85,90 +85,80 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-
-
-def _cmd_workload(args: argparse.Namespace) -> int:
-    from kvreuse.sim.generators import GENERATORS
-
-    opts = {k: v for k, v in vars(args).items() if k not in ("command", "func", "kind")}
-    try:
-        lines = GENERATORS[args.kind](**opts)
-    except ValueError as exc:
-        print(f"kvreuse workload {args.kind}: {exc}", file=sys.stderr)
-        return 2
-    for line in lines:
-        print(json.dumps(line))
-    return 0
-
-
-def _add_workload(sub: argparse._SubParsersAction) -> None:
-    wl = sub.add_parser("workload", help="generate a JSONL workload on stdout")
-    kinds = wl.add_subparsers(dest="kind", required=True)
-    # per kind: (flag, parser of its value, default)
-    specs: dict[str, list[tuple[str, Callable[[str], Any], Any]]] = {
-        "resend-grid": [
-            ("--lengths", _ints, "255,256,257,2047,2048,2049,4096,8191,8192,8193"),
-            ("--extra", int, 8),
-            ("--max-tokens", int, 1),
-        ],
-        "shared-prefix": [
-            ("--prefix-len", int, 4096),
-            ("--suffix-len", int, 256),
-            ("--requests", int, 32),
-            ("--max-tokens", int, 1),
-        ],
-        "agent": [
-            ("--sessions", int, 1),
-            ("--turns", int, 64),
-            ("--user-len", int, 64),
-            ("--tool-len", int, 256),
-            ("--max-tokens", int, 32),
-        ],
-        "retrieval": [("--length", int, 32768), ("--max-tokens", int, 16)],
-        "pressure": [
-            ("--sequences", int, 8),
-            ("--length", int, 8192),
-            ("--repeats", int, 2),
-            ("--max-tokens", int, 1),
-        ],
-    }
-    for kind, options in specs.items():
-        p = kinds.add_parser(kind)
-        for flag, typ, default in options:
-            # `--len` is accepted for `--length` (the workload format's name)
-            aliases = ("--len",) if flag == "--length" else ()
-            p.add_argument(flag, *aliases, type=typ, default=default)
-        p.add_argument("--seed", type=int, default=0)
-        p.set_defaults(func=_cmd_workload)
+def _serve_option_error(args: argparse.Namespace) -> str | None:
+    """The first bad `serve` option as one line, or None."""
+    for flag, value in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+        if value is not None and not 0 <= value <= 65535:
+            return f"{flag} must be a TCP port in [0, 65535], got {value}"
+    if args.metrics_port is not None and args.metrics_port == args.port != 0:
+        return "--metrics-port must differ from --port"
+    for flag, value in (
+        ("--max-pending", args.max_pending),
+        ("--max-body-bytes", args.max_body_bytes),
+    ):
+        if value < 1:
+            return f"{flag} must be at least 1, got {value}"
+    for flag, num in (
+        ("--stream-stall-timeout", args.stream_stall_timeout),
+        ("--drain-timeout", args.drain_timeout),
+    ):
+        if not num > 0:
+            return f"{flag} must be a number of seconds > 0, got {num}"
+    if args.admin_token is not None and not args.admin_token.strip():
+        return "--admin-token must not be empty"
+    return None
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from kvreuse.serve.backend import default_backend, fake_backend
-    from kvreuse.serve.server import serve_forever
+    from kvreuse.serve.server import bind, run_server
 
+    if args.admin_token is None:
+        args.admin_token = os.environ.get("KVREUSE_ADMIN_TOKEN") or None
+    problem = _serve_option_error(args)
+    if problem is not None:
+        print(f"kvreuse serve: {problem}", file=sys.stderr)
+        return 2
     try:
+        sockets = [bind(args.host, args.port)]
+        if args.metrics_port is not None:
+            sockets.append(bind(args.metrics_host or args.host, args.metrics_port))
         if args.fake:
             backend = fake_backend(args.geometry, num_blocks=args.num_blocks)
         else:
             backend = default_backend(args.model, args.geometry, args.num_blocks)
     except (RuntimeError, ValueError, OSError) as exc:
-        print(f"kvreuse serve: {exc}", file=sys.stderr)
+        where = f" ({exc.strerror})" if isinstance(exc, OSError) and exc.strerror else ""
+        text = f"cannot listen on {args.host}:{args.port}{where}" if where else str(exc)
+        print(f"kvreuse serve: {text}", file=sys.stderr)
         return 2
     from kvreuse.serve.app import create_app
 
+    ports = [sock.getsockname()[1] for sock in sockets]
     app = create_app(
-        backend, max_pending=args.max_pending, force_include_usage=args.force_include_usage
+        backend,
+        max_pending=args.max_pending,
+        force_include_usage=args.force_include_usage,
+        max_body_bytes=args.max_body_bytes,
+        stream_stall_timeout=args.stream_stall_timeout,
+        admin_token=args.admin_token,
+        metrics_port=ports[1] if len(ports) > 1 else None,
     )
-    print(f"kvreuse serve: {backend.name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    serve_forever(app, args.host, args.port)
-    return 0
+    for note in backend.notes:
+        print(f"kvreuse serve: {note}", file=sys.stderr)
+    print(
+        f"kvreuse serve: {backend.name} on http://{_host(args.host)}:{ports[0]}/v1", file=sys.stderr
+    )
+    if len(ports) > 1:
+        metrics_host = _host(args.metrics_host or args.host)
+        print(
+            f"kvreuse serve: metrics on http://{metrics_host}:{ports[1]}/metrics", file=sys.stderr
+        )
+    return run_server(app, sockets, args.drain_timeout)
+
+
+def _host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -176,7 +166,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="model directory (default: the embedded tiny)")
     p.add_argument("--geometry", default=None, help="geometry preset name or TOML file")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
     p.add_argument("--num-blocks", type=int, default=None, help="override the cache size")
     p.add_argument("--max-pending", type=int, default=256, help="requests in flight before 429")
     p.add_argument("--fake", action="store_true", help="deterministic fake model (no torch)")
@@ -184,6 +174,36 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "--force-include-usage",
         action="store_true",
         help="end every stream with a usage chunk, asked for or not",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=8 * 1024 * 1024,
+        help="largest request body (413 beyond; default 8 MiB)",
+    )
+    p.add_argument(
+        "--stream-stall-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a stream may wait for a client that stopped reading",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds running requests get to finish",
+    )
+    p.add_argument(
+        "--admin-token",
+        default=None,
+        help="token /reset_prefix_cache requires (default: $KVREUSE_ADMIN_TOKEN)",
+    )
+    p.add_argument("--metrics-host", default=None, help="serve /metrics here (default: --host)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve /metrics on this port only (default: on the API port)",
     )
     p.set_defaults(func=_cmd_serve)
 
@@ -194,8 +214,24 @@ def _cmd_qualify(args: argparse.Namespace) -> int:
     return qualify_main(args)
 
 
+def _num_blocks(text: str) -> int:
+    """--num-blocks: an integer ≥ 2 whose pool fits a machine (one usage line otherwise)."""
+    value = int_range(2, 2**63 - 1)(text)  # the null block and at least one more
+    try:
+        check_num_blocks(value, "--num-blocks")
+    except GeometryError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 def _add_qualify(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("qualify", help="check a server's cached tokens against the spec")
+    p = sub.add_parser(
+        "qualify",
+        help="check a server's cached tokens against the spec",
+        description="Check every cached_tokens a server reports against the spec's rules. "
+        "Exit codes: 0 passed, 1 failed, 2 usage error or no server to check, 130 Ctrl-C.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--url", default=None, help="server to check (default: start one in-process)")
     p.add_argument("--out", default="qualify-out", help="directory for qualify.json / .md")
     p.add_argument("--quick", action="store_true", help="small scenarios (seconds)")
@@ -204,36 +240,145 @@ def _add_qualify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fake", action="store_true", help="in-process server: fake model")
     p.add_argument(
         "--num-blocks",
-        type=int,
+        type=_num_blocks,
         default=None,
-        help="in-process server: cache size (default 256, small enough to fill)",
+        help="in-process server: cache size (default: 192, 48 with --quick; small enough to fill)",
     )
     p.add_argument(
         "--max-fill-tokens",
-        type=int,
+        type=int_range(0, 2**63 - 1),
         default=None,
-        help="token budget of scenario (e); larger caches are skipped",
+        help="token budget of scenario (e); larger caches are skipped "
+        "(default: 60,000, 12,000 with --quick)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(func=_cmd_qualify)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvreuse", description=__doc__.splitlines()[0])
+def _cmd_geometry(args: argparse.Namespace) -> int:
+    if args.action == "list":
+        for name in sorted(PRESETS):
+            dep = resolve(name)
+            groups = ", ".join(_describe(g) for g in dep.cache.geometry.groups)
+            spec = dep.sched.num_spec_tokens
+            drafts = f"; {spec} drafts per step ({dep.cache.spec_mode})" if spec else ""
+            print(f"{name:<20} {dep.cache.num_blocks:>6,} blocks: {groups}{drafts}")
+        return 0
+    if args.name is None:
+        print("kvreuse geometry show: name a preset (kvreuse geometry list)", file=sys.stderr)
+        return 2
+    try:
+        dep = resolve(args.name)
+    except ValueError as exc:  # GeometryError, or the core's ConfigError for a file
+        print(f"kvreuse geometry show: {exc}", file=sys.stderr)
+        return 2
+    print(f"# {dep.name}: a geometry file to start from (kvreuse simulate FILE WORKLOAD.jsonl)")
+    print(geometry_toml(dep), end="")
+    return 0
+
+
+def _describe(g: GroupGeometry) -> str:
+    """'full 2048×4 = 8192' or 'sliding 16 (window 48)': a group's kind and page."""
+    size = str(g.page_size)
+    if g.page_size != g.block_size:
+        size = f"{g.block_size}×{g.page_size // g.block_size} = {g.page_size}"
+    kind = f"{g.kind} draft" if g.is_draft else g.kind
+    extra = f" (window {g.window})" if g.window else f" (chunk {g.chunk})" if g.chunk else ""
+    return f"{kind} {size}{extra}"
+
+
+def _add_geometry(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "geometry",
+        help="list the presets, or print one as TOML",
+        description="`list`: the presets; `show NAME`: a preset (or a geometry file) as a "
+        "complete TOML geometry file to start from.",
+    )
+    p.add_argument("action", choices=("list", "show"), help="list the presets, or show one")
+    p.add_argument("name", nargs="?", help="with show: a preset name or a .toml file")
+    p.set_defaults(func=_cmd_geometry)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line (and --help named) instead of two."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="kvreuse", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"kvreuse {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="cold request + identical resend on a DCP4 hybrid")
-    demo.add_argument("--lengths", default="2048,2049", help="comma-separated prompt lengths")
-    demo.add_argument("--seed", type=int, default=0)
+    demo = sub.add_parser(
+        "demo",
+        help="cold request + identical resend on a DCP4 hybrid",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    demo.add_argument(
+        "--lengths",
+        type=int_list(DEMO_MAX_LENGTH),
+        default="2048,2049",
+        help="comma-separated prompt lengths",
+    )
+    demo.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     demo.add_argument("--json", action="store_true", help="one JSON object per request")
     demo.set_defaults(func=_cmd_demo)
-    _add_workload(sub)
     from kvreuse.sim.cli import add_parser as _add_simulate
+    from kvreuse.sim.workload_cli import add_parser as _add_workload
 
+    _add_workload(sub)
     _add_simulate(sub)
+    _add_geometry(sub)
     _add_serve(sub)
     _add_qualify(sub)
-    args = parser.parse_args(argv)
-    return int(args.func(args))
+    return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvreuse")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+# The optional packages each extra brings (pyproject.toml), to name the one a command needs.
+EXTRAS = {
+    **dict.fromkeys(("tqdm", "matplotlib"), "sim"),
+    **dict.fromkeys(("torch", "safetensors", "tokenizers"), "engine"),
+    **dict.fromkeys(
+        ("fastapi", "starlette", "pydantic", "uvicorn", "prometheus_client", "httpx", "rich"),
+        "server",
+    ),
+}
+SIGPIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader left
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ModuleNotFoundError as exc:
+        extra = EXTRAS.get((exc.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(
+            f"kvreuse {args.command}: needs {exc.name}, which is not installed: "
+            f"pip install -e '.[{extra}]'",
+            file=sys.stderr,
+        )
+        return 2
+    except KeyboardInterrupt:
+        print(f"kvreuse {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # the reader left (`| head`): stop quietly; point stdout at /dev/null so the final
+        # flush at exit does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return SIGPIPE_EXIT
 
 
 if __name__ == "__main__":

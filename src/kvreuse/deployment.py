@@ -27,6 +27,7 @@ back as such a file (a server serves it to `kvreuse qualify`).
 
 from __future__ import annotations
 
+import difflib
 import os
 import tomllib
 from dataclasses import dataclass, fields
@@ -39,6 +40,29 @@ from kvreuse.sched import SchedulerConfig
 CACHE_KEYS = {f.name for f in fields(CacheConfig) if f.init} - {"groups", "eviction_policy"}
 SCHED_KEYS = {f.name for f in fields(SchedulerConfig)} | {"max_model_len"}
 GROUP_KEYS = {f.name for f in fields(GroupSpec)}
+
+# The largest pool a deployment may ask for. The pool keeps about 70 bytes of bookkeeping per
+# block from the start and about 177 once a block holds a cached entry (benchmarks/core_bench.py),
+# so 2**24 blocks stay near 3 GB; a typo such as num_blocks = 10**9 would need 177 GB.
+MAX_NUM_BLOCKS = 2**24
+BYTES_PER_CACHED_BLOCK = 177
+TOML_INT_LIMIT = 2**63  # TOML integers are signed 64-bit; tomllib accepts any size
+
+
+def _value_kind(annotation: object) -> type:
+    """bool, int or str: what a TOML value of a dataclass field must be."""
+    text = str(annotation)
+    return bool if text.startswith("bool") else int if text.startswith("int") else str
+
+
+# What each key's TOML value must be (the dataclasses' annotations, read once).
+KEY_KINDS: dict[str, type] = {
+    **{f.name: _value_kind(f.type) for f in fields(CacheConfig) if f.name in CACHE_KEYS},
+    **{f.name: _value_kind(f.type) for f in fields(SchedulerConfig)},
+    "max_model_len": int,
+    "capacity_tokens": int,
+}
+GROUP_KEY_KINDS = {f.name: _value_kind(f.type) for f in fields(GroupSpec)}
 
 
 class GeometryError(ValueError):
@@ -94,11 +118,12 @@ PRESETS: dict[str, str] = {
         block_size = 64
     """,
     # Engine-sized geometries for the tiny PyTorch model (kvreuse.engine, tests, benchmarks).
+    # max_model_len leaves room for the default resend grid (8,193 + 8 tokens + 1 output).
     "tiny-attention": """
         [cache]
         num_blocks = 1024
         max_num_batched_tokens = 2048
-        max_model_len = 8192
+        max_model_len = 16384
         [[groups]]
         kind = "full"
         block_size = 16
@@ -109,7 +134,7 @@ PRESETS: dict[str, str] = {
         dcp_size = 4
         hash_unit = 8
         max_num_batched_tokens = 2048
-        max_model_len = 8192
+        max_model_len = 16384
         [[groups]]
         kind = "full"
         block_size = 16
@@ -120,7 +145,7 @@ PRESETS: dict[str, str] = {
         dcp_size = 4
         hash_unit = 8
         max_num_batched_tokens = 2048
-        max_model_len = 8192
+        max_model_len = 16384
         [[groups]]
         kind = "full"
         block_size = 32
@@ -132,7 +157,7 @@ PRESETS: dict[str, str] = {
         [cache]
         num_blocks = 1024
         max_num_batched_tokens = 2048
-        max_model_len = 8192
+        max_model_len = 16384
         [[groups]]
         kind = "full"
         block_size = 16
@@ -147,13 +172,16 @@ PRESETS: dict[str, str] = {
 }
 
 # The two speculative presets differ only in the spec mode: full + recurrent target groups and
-# the drafter's own full group.
+# the drafter's own full group; each decode step verifies three drafts. Twice the blocks of the
+# other tiny presets: every token is cached twice (target and drafter), and the default resend
+# grid's longest prompt must fit.
 _TINY_SPEC = """
         [cache]
-        num_blocks = 1024
+        num_blocks = 2048
         {mode}
+        num_spec_tokens = 3
         max_num_batched_tokens = 2048
-        max_model_len = 8192
+        max_model_len = 16384
         [[groups]]
         kind = "full"
         block_size = 16
@@ -172,7 +200,7 @@ PRESETS["tiny-spec-drop"] = _TINY_SPEC.format(mode='spec_mode = "drop"')
 
 
 def load_geometry(text: str, name: str = "geometry") -> Deployment:
-    """Parse a TOML geometry (or raise GeometryError / ConfigError with a clear message)."""
+    """Parse a TOML geometry (or raise GeometryError / ConfigError naming `name`)."""
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -180,27 +208,17 @@ def load_geometry(text: str, name: str = "geometry") -> Deployment:
     extra = set(doc) - {"cache", "groups"}
     if extra:
         raise GeometryError(f"{name}: unknown table(s) {sorted(extra)}; use [cache] and [[groups]]")
-    cache = dict(doc.get("cache", {}))
-    groups = doc.get("groups", [])
-    if not isinstance(groups, list) or not groups:
-        raise GeometryError(f"{name}: at least one [[groups]] table is needed")
-    unknown = set(cache) - CACHE_KEYS - SCHED_KEYS - {"capacity_tokens"}
-    if unknown:
-        raise GeometryError(f"{name}: [cache] has unknown key(s) {sorted(unknown)}")
-    specs = []
-    for i, g in enumerate(groups):
-        bad = set(g) - GROUP_KEYS
-        if bad:
-            raise GeometryError(
-                f"{name}: [[groups]] #{i} has unknown key(s) {sorted(bad)}; "
-                f"allowed: {sorted(GROUP_KEYS)}"
-            )
-        try:
-            specs.append(GroupSpec(**g))
-        except TypeError as exc:
-            raise GeometryError(f"{name}: [[groups]] #{i}: {exc}") from None
+    cache = doc.get("cache", {})
+    if not isinstance(cache, dict):
+        raise GeometryError(f"{name}: cache must be a table ([cache] with key = value lines)")
+    cache = dict(cache)
+    _check_keys(name, "[cache]", cache, {*CACHE_KEYS, *SCHED_KEYS, "capacity_tokens"})
+    _check_values(name, "[cache]", cache, KEY_KINDS)
+    specs = [_group_spec(name, i, g) for i, g in enumerate(_group_tables(name, doc))]
     sched = {k: cache.pop(k) for k in list(cache) if k in SCHED_KEYS}
     max_model_len = sched.pop("max_model_len", None)
+    if max_model_len is not None and max_model_len < 1:
+        raise GeometryError(f"{name}: [cache] max_model_len must be ≥ 1, got {max_model_len}")
     cfg = _cache_config(name, cache, specs)
     try:
         sched_cfg = SchedulerConfig(**sched)
@@ -209,25 +227,94 @@ def load_geometry(text: str, name: str = "geometry") -> Deployment:
     return Deployment(name, cfg, sched_cfg, max_model_len)
 
 
+def _group_tables(name: str, doc: dict[str, Any]) -> list[dict[str, Any]]:
+    groups = doc.get("groups", [])
+    if not isinstance(groups, list) or not groups:
+        raise GeometryError(
+            f"{name}: at least one [[groups]] table is needed (kind = ..., block_size = ...)"
+        )
+    for i, g in enumerate(groups):
+        if not isinstance(g, dict):
+            raise GeometryError(
+                f"{name}: [[groups]] #{i} must be a table ([[groups]] with kind = ..., "
+                f"block_size = ...), got {g!r}"
+            )
+    return groups
+
+
+def _group_spec(name: str, i: int, table: dict[str, Any]) -> GroupSpec:
+    where = f"[[groups]] #{i}"
+    _check_keys(name, where, table, GROUP_KEYS)
+    _check_values(name, where, table, GROUP_KEY_KINDS)
+    missing = [k for k in ("kind", "block_size") if k not in table]
+    if missing:
+        raise GeometryError(f"{name}: {where} needs kind and block_size; missing {missing}")
+    return GroupSpec(**table)
+
+
+def _check_keys(name: str, where: str, table: dict[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(table) - allowed)
+    if not unknown:
+        return
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, allowed, n=1)
+        if close:
+            hints.append(f"{key!r}: did you mean {close[0]!r}?")
+    hint = f" ({'; '.join(hints)})" if hints else ""
+    raise GeometryError(
+        f"{name}: {where} has unknown key(s) {unknown}{hint}; allowed: {sorted(allowed)}"
+    )
+
+
+def _check_values(name: str, where: str, table: dict[str, Any], kinds: dict[str, type]) -> None:
+    """Every value has its key's TOML type: a string is never taken for a boolean, and an
+    integer must lie in TOML's signed 64-bit range."""
+    for key, value in table.items():
+        kind = kinds[key]
+        if kind is bool and not isinstance(value, bool):
+            raise GeometryError(f"{name}: {where} {key} must be true or false, got {value!r}")
+        if kind is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise GeometryError(f"{name}: {where} {key} must be an integer, got {value!r}")
+            if not -TOML_INT_LIMIT <= value < TOML_INT_LIMIT:
+                raise GeometryError(
+                    f"{name}: {where} {key} = {value} is outside TOML's 64-bit integer range"
+                )
+        if kind is str and not isinstance(value, str):
+            raise GeometryError(f"{name}: {where} {key} must be a string, got {value!r}")
+
+
+def check_num_blocks(num_blocks: int, where: str, because: str = "") -> None:
+    """Refuse a pool whose bookkeeping alone would not fit a machine (GeometryError)."""
+    if num_blocks > MAX_NUM_BLOCKS:
+        gb = num_blocks * BYTES_PER_CACHED_BLOCK / 1e9
+        raise GeometryError(
+            f"{where}: num_blocks = {num_blocks:,}{because} is too large: the pool's bookkeeping "
+            f"alone would need about {gb:,.1f} GB ({BYTES_PER_CACHED_BLOCK} bytes per cached "
+            f"block); the limit is {MAX_NUM_BLOCKS:,} blocks"
+        )
+
+
 def _cache_config(name: str, cache: dict[str, Any], specs: list[GroupSpec]) -> CacheConfig:
     capacity = cache.pop("capacity_tokens", None)
-    if capacity is not None:
-        if "num_blocks" in cache:
-            raise GeometryError(
-                f"{name}: [cache] sets both num_blocks and capacity_tokens; keep one"
-            )
-        if type(capacity) is not int or capacity < 1:
-            raise GeometryError(f"{name}: [cache] capacity_tokens must be an int ≥ 1")
-        probe = CacheConfig(num_blocks=2, groups=specs, **cache)
-        cache["num_blocks"] = 1 + probe.blocks_for_request(capacity)
-    if "num_blocks" not in cache:
-        raise GeometryError(f"{name}: [cache] needs num_blocks or capacity_tokens")
     try:
+        if capacity is not None:
+            if "num_blocks" in cache:
+                raise GeometryError(
+                    f"{name}: [cache] sets both num_blocks and capacity_tokens; keep one"
+                )
+            if capacity < 1:
+                raise GeometryError(f"{name}: [cache] capacity_tokens must be ≥ 1")
+            probe = CacheConfig(num_blocks=2, groups=specs, **cache)
+            cache["num_blocks"] = 1 + probe.blocks_for_request(capacity)
+        if "num_blocks" not in cache:
+            raise GeometryError(f"{name}: [cache] needs num_blocks or capacity_tokens")
+        because = "" if capacity is None else f" (for capacity_tokens = {capacity:,})"
+        check_num_blocks(cache["num_blocks"], f"{name}: [cache]", because)
         return CacheConfig(groups=specs, **cache)
-    except ConfigError:
-        raise
-    except TypeError as exc:
-        raise GeometryError(f"{name}: [cache]: {exc}") from None
+    except ConfigError as exc:  # the core's message, named after the file it came from
+        raise ConfigError(f"{name}: {exc}") from None
 
 
 def preset(name: str) -> Deployment:

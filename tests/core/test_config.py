@@ -197,3 +197,14 @@ def test_hash_unit_default_without_cacheable_groups() -> None:
     )
     assert cfg.geometry.hash_unit == 12
     assert not cfg.geometry.caching_enabled
+
+
+def test_capacity_tokens_without_an_attention_group_is_unbounded() -> None:
+    """A recurrent-only geometry holds the same blocks at every length: no largest t exists
+    (the search used to double forever); None says so, and 0 still means nothing fits."""
+    rec = [GroupSpec(kind="recurrent", block_size=16, state_scratch_blocks=1)]
+    cfg = CacheConfig(num_blocks=8, groups=rec)
+    assert cfg.capacity_tokens() is None
+    assert cfg.blocks_for_request(10**12) == cfg.blocks_for_request(0) == 3
+    assert cfg.capacity_tokens(concurrent_requests=3) == 0  # 3 × 3 blocks > 7
+    assert CacheConfig(num_blocks=3, groups=rec).capacity_tokens() == 0

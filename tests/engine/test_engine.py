@@ -43,7 +43,7 @@ def _run(llm: LLM, prompts: dict[str, list[int]]) -> dict[str, tuple[list[int], 
     llm.runner.record_logits = True
     out = {}
     for name, prompt in prompts.items():
-        res = llm.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS))[0]
+        res = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))[0]
         n = len(res.token_ids)
         logits = torch.stack(llm.runner.logits_log[res.request_id][:n])
         out[name] = (res.token_ids, logits, res.cached_tokens)
@@ -120,7 +120,8 @@ def test_eagle_drafter_kv_reused_exactly(geometry: str) -> None:
         llm = LLM(geometry=geometry, spec="eagle", enable_caching=caching)
         llm.runner.record_logits = True
         rids = [
-            llm.generate([p], SamplingParams(max_tokens=8))[0].request_id for p in prompts.values()
+            llm.generate([p], SamplingParams(temperature=0.0, max_tokens=8))[0].request_id
+            for p in prompts.values()
         ]
         runs.append([llm.runner.drafts_log.get(r) for r in rids])
     assert runs[0] == runs[1]

@@ -41,7 +41,7 @@ def test_llm_loads_a_saved_default_model(tmp_path: Path) -> None:
     path = save_model(ref.model, tmp_path / "tiny")
     llm = LLM(model=str(path), geometry="tiny-hybrid-dcp4")
     assert llm.model_name == "tiny"
-    sp = SamplingParams(max_tokens=5)
+    sp = SamplingParams(temperature=0.0, max_tokens=5)
     assert llm.generate([TOKENS], sp)[0].token_ids == ref.generate([TOKENS], sp)[0].token_ids
 
 
@@ -129,7 +129,9 @@ def test_hf_tokenizer_from_tokenizer_json(tmp_path: Path) -> None:
     assert tok.encode("hello world") == [2, 3]
     assert tok.eos_token_id == 1 and tok.vocab_size == 4
     llm = LLM(geometry="tiny-attention", tokenizer=str(file))
-    assert llm.generate(["hello world"], SamplingParams(max_tokens=2))[0].prompt_token_ids == [2, 3]
+    assert llm.generate(["hello world"], SamplingParams(temperature=0.0, max_tokens=2))[
+        0
+    ].prompt_token_ids == [2, 3]
     file.write_text("{}")
     with pytest.raises(ValueError, match=r"tokenizer\.json"):
         HFTokenizer(file)

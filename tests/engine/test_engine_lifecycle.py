@@ -20,14 +20,17 @@ def _prompts(n: int, length: int, seed: int = 1, shared: int | None = None) -> l
 
 def _reference(geometry: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     llm = LLM(geometry=geometry, enable_caching=False)
-    return [llm.generate([p], SamplingParams(max_tokens=max_tokens))[0].token_ids for p in prompts]
+    return [
+        llm.generate([p], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0].token_ids
+        for p in prompts
+    ]
 
 
 def _drive(
     llm: LLM, prompts: list[list[int]], max_tokens: int, on_step=None
 ) -> dict[str, list[int]]:
     sched = llm.scheduler
-    sp = SamplingParams(max_tokens=max_tokens)
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     rids = [f"r{i}" for i in range(len(prompts))]
     for rid, p in zip(rids, prompts, strict=True):
         sched.add(Request(rid, p), max_tokens, sampling=sp)
@@ -75,7 +78,7 @@ def test_abort_mid_prefill_and_mid_decode() -> None:
     assert out["r2"] == ref[2]
     assert out["r1"] == ref[1][: len(out["r1"])]
     # what the aborted requests published is sound: resending them reuses it and still matches
-    again = llm.generate(prompts[:2], SamplingParams(max_tokens=10))
+    again = llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=10))
     assert [o.token_ids for o in again] == ref[:2]
     assert again[1].cached_tokens > 0
     llm.mgr.check_invariants()
@@ -84,11 +87,13 @@ def test_abort_mid_prefill_and_mid_decode() -> None:
 def test_stop_tokens_finish_early() -> None:
     llm = LLM(geometry="tiny-attention")
     prompt = _prompts(1, 60)[0]
-    full = llm.generate([prompt], SamplingParams(max_tokens=8))[0]
+    full = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8))[0]
     assert full.finish_reason == "length" and len(full.token_ids) == 8
     stop = full.token_ids[3]
     first = full.token_ids.index(stop)
-    res = llm.generate([prompt], SamplingParams(max_tokens=8, stop_token_ids=(stop,)))[0]
+    res = llm.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=(stop,))
+    )[0]
     assert res.finish_reason == "stop"
     assert res.token_ids == full.token_ids[: first + 1]
     assert not llm.scheduler.has_work()
@@ -98,13 +103,15 @@ def test_stop_tokens_finish_early() -> None:
 def test_generate_many_at_once_matches_one_by_one() -> None:
     prompts = _prompts(5, 80, seed=3)
     ref = _reference("tiny-sliding-hybrid", prompts, 6)
-    outs = LLM(geometry="tiny-sliding-hybrid").generate(prompts, SamplingParams(max_tokens=6))
+    outs = LLM(geometry="tiny-sliding-hybrid").generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=6)
+    )
     assert [o.token_ids for o in outs] == ref
 
 
 def test_text_prompts_and_sampling_params_validation() -> None:
     llm = LLM(geometry="tiny-attention")
-    out = llm.generate(["hello world"], SamplingParams(max_tokens=3))[0]
+    out = llm.generate(["hello world"], SamplingParams(temperature=0.0, max_tokens=3))[0]
     assert out.prompt_token_ids == list(b"hello world")
     assert isinstance(out.text, str) and len(out.token_ids) == 3
     for bad in (
@@ -118,7 +125,7 @@ def test_text_prompts_and_sampling_params_validation() -> None:
         with pytest.raises(ValueError):
             SamplingParams(**bad)
     with pytest.raises(ValueError, match="max_model_len"):
-        llm.generate([[1] * 10], SamplingParams(max_tokens=llm.max_model_len))
+        llm.generate([[1] * 10], SamplingParams(temperature=0.0, max_tokens=llm.max_model_len))
     with pytest.raises(ValueError, match="spec"):
         LLM(geometry="tiny-attention", spec="medusa")
     with pytest.raises(ValueError, match="draft"):

@@ -128,3 +128,81 @@ def test_geometry_toml_reads_back_equal(name: str) -> None:
     dep = preset(name)
     back = load_geometry(geometry_toml(dep), "served")
     assert (back.cache, back.sched, back.max_model_len) == (dep.cache, dep.sched, dep.max_model_len)
+
+
+FULL = '[[groups]]\nkind = "full"\nblock_size = 16\n'
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("cache = 5\n" + FULL, r"g\.toml: cache must be a table"),
+        ("groups = [1, 2]\n[cache]\nnum_blocks = 8\n", r"\[\[groups\]\] #0 must be a table"),
+        ('[cache]\nnum_blocks = 8\ngroups = {kind = "full"}\n', r"unknown key\(s\) \['groups'\]"),
+        ('[cache]\nnum_blocks = 8\nmax_model_len = "x"\n' + FULL, "max_model_len must be an int"),
+        ("[cache]\nnum_blocks = 8\nmax_model_len = 0\n" + FULL, "max_model_len must be ≥ 1"),
+        ("[cache]\nnum_blocks = 9223372036854775808\n" + FULL, "outside TOML's 64-bit"),
+        ("[cache]\nnum_blocks = 8\nhash_unit = 2.5\n" + FULL, "hash_unit must be an integer"),
+        (
+            "[cache]\nnum_blocks = 1000000000\n" + FULL,
+            r"num_blocks = 1,000,000,000 is too large: .* about 177\.0 GB",
+        ),
+        (
+            "[cache]\ncapacity_tokens = 9223372036854775807\n" + FULL,
+            r"\(for capacity_tokens = 9,223,372,036,854,775,807\) is too large",
+        ),
+        (
+            '[cache]\nnum_blocks = 8\nenable_prefix_caching = "no"\n' + FULL,
+            "enable_prefix_caching must be true or false, got 'no'",
+        ),
+        (
+            '[cache]\nnum_blocks = 8\ndefer_shared_prefix = "false"\n' + FULL,
+            "defer_shared_prefix must be true or false",
+        ),
+        (
+            '[cache]\nnum_blocks = 8\n[[groups]]\nkind = "full"\nblock_size = 16\n'
+            'dcp_sharded = "yes"\n',
+            r"\[\[groups\]\] #0 dcp_sharded must be true or false",
+        ),
+        (
+            '[cache]\nnum_blocks = 8\n[[groups]]\nkind = "full"\nblock_size = "16"\n',
+            "block_size must be an integer",
+        ),
+        ("[cache]\nnum_blocks = 8\n[[groups]]\nblock_size = 16\n", r"missing \['kind'\]"),
+        (
+            "[cache]\nnum_blocks = 8\nnum_spec_tokens = 4\nmax_num_batched_tokens = 4\n" + FULL,
+            r"1 \+ num_spec_tokens = 5 tokens, more than max_num_batched_tokens = 4",
+        ),
+        (
+            "[cache]\nnum_blok = 8\n" + FULL,
+            r"unknown key\(s\) \['num_blok'\] \('num_blok': did you mean 'num_blocks'\?\); "
+            r"allowed: \['admission_watermark_blocks'",
+        ),
+        (
+            "[cache]\nnum_blocks = 8\n[[groups]]\nkind = 'full'\nblock_sise = 16\n",
+            r"did you mean 'block_size'\?",
+        ),
+    ],
+)
+def test_bad_values_are_one_clear_error_naming_the_file(text: str, fragment: str) -> None:
+    with pytest.raises(GeometryError, match=fragment) as info:
+        load_geometry(text, "g.toml")
+    assert str(info.value).startswith("g.toml: ") and "\n" not in str(info.value)
+
+
+def test_the_core_s_errors_name_the_file_too(tmp_path: Path) -> None:
+    path = tmp_path / "geo.toml"
+    path.write_text('[cache]\nnum_blocks = 8\n[[groups]]\nkind = "sliding"\nblock_size = 16\n')
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: group 0 \(sliding\)"):
+        resolve(path)
+
+
+def test_tiny_presets_admit_the_default_resend_grid_and_the_spec_ones_speculate() -> None:
+    """The default grid's longest request is 8,193 + 8 prompt tokens and one output (that it
+    also fits each cache is tests/sim/test_simulate.py's)."""
+    for name in PRESETS:
+        if name.startswith("tiny-"):
+            dep = preset(name)
+            assert dep.max_model_len is not None and dep.max_model_len >= 8193 + 8 + 1, name
+    for name in ("tiny-spec-lookahead", "tiny-spec-drop"):
+        assert preset(name).sched.num_spec_tokens == 3

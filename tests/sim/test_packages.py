@@ -1,6 +1,6 @@
 """The package layering of `src/kvreuse`, read from the source (every import, lazy ones too).
 
-    core ← (oracle, tokenizer, sched) ← deployment ← (sim, engine) ← serve ← qualify ← cli
+    core ← (oracle, tokenizer, sched, events) ← deployment ← (sim, engine) ← serve ← qualify ← cli
 
 Each package imports only packages to its left, and only through `kvreuse.core`'s public names.
 (Import cycles are checked for all of src by tests/core/test_imports.py.)
@@ -24,16 +24,28 @@ ALLOWED: dict[str, set[str]] = {
     "oracle": {"core"},
     "tokenizer": {"core"},
     "sched": {"core"},
-    "deployment": {"core", "oracle", "tokenizer", "sched"},
-    "sim": {"core", "oracle", "tokenizer", "sched", "deployment"},
-    "engine": {"core", "oracle", "tokenizer", "sched", "deployment"},
-    "serve": {"core", "oracle", "tokenizer", "sched", "deployment", "sim", "engine"},
-    "qualify": {"core", "oracle", "tokenizer", "sched", "deployment", "sim", "engine", "serve"},
+    "events": {"core"},
+    "deployment": {"core", "oracle", "tokenizer", "sched", "events"},
+    "sim": {"core", "oracle", "tokenizer", "sched", "events", "deployment"},
+    "engine": {"core", "oracle", "tokenizer", "sched", "events", "deployment"},
+    "serve": {"core", "oracle", "tokenizer", "sched", "events", "deployment", "sim", "engine"},
+    "qualify": {
+        "core",
+        "oracle",
+        "tokenizer",
+        "sched",
+        "events",
+        "deployment",
+        "sim",
+        "engine",
+        "serve",
+    },
     "cli": {
         "core",
         "oracle",
         "tokenizer",
         "sched",
+        "events",
         "deployment",
         "sim",
         "engine",

@@ -238,3 +238,83 @@ def test_abort_twice_or_after_finish_is_a_no_op() -> None:
     sched.abort("a")
     assert sched.seqs["a"].finish_reason == "length"
     reconcile(sched)
+
+
+def test_a_request_whose_first_chunk_fits_but_not_its_whole_length_is_refused_up_front() -> None:
+    """40 blocks of 16 tokens hold 624 tokens; a 1,000-token prompt's first 256-token chunk
+    fits, so without the up-front check it is admitted, preempts itself when it outgrows the
+    pool, and is admitted again, forever, while the request behind it starves."""
+    mgr = KVCacheManager(CacheConfig(num_blocks=40, groups=[GroupSpec(kind="full", block_size=16)]))
+    sched = Scheduler(mgr, FakeEngine(), SchedulerConfig(max_num_batched_tokens=256))
+    sched.add(Request("big", tokens(1000, 1)), max_tokens=4)
+    sched.add(Request("ok", tokens(30, 2)), max_tokens=4)
+    steps = drain(sched, max_steps=50)
+    assert steps[0].rejected == ["big"] and steps[0].preempted == []
+    assert (
+        sched.seqs["big"].finish_reason == "too_large" and sched.seqs["big"].cached_tokens is None
+    )
+    assert len(sched.seqs["ok"].output) == 4
+    reconcile(sched)
+
+
+def test_a_request_that_outgrows_the_pool_alone_is_refused_when_it_preempts_itself() -> None:
+    """The up-front count is exact only for full attention: here the full group's 21 pages
+    fit the 26 usable blocks, but with the sliding window's pages and the recurrent states the
+    request does not. It preempts itself with nothing else running, and is refused then;
+    before, it was admitted again (166 times in 500 steps) while the request behind it never
+    ran."""
+    groups = [
+        GroupSpec(kind="full", block_size=8),
+        GroupSpec(kind="recurrent", block_size=8),
+        GroupSpec(kind="sliding", block_size=8, window=32),
+    ]
+    mgr = KVCacheManager(CacheConfig(num_blocks=27, dcp_size=2, groups=groups))
+    sched = Scheduler(mgr, FakeEngine(), SchedulerConfig(max_num_batched_tokens=64))
+    sched.add(Request("big", tokens(313, 1)), max_tokens=10)
+    sched.add(Request("ok", tokens(30, 2)), max_tokens=4)
+    steps = drain(sched, max_steps=100)
+    refused = [st for st in steps if st.rejected]
+    assert [st.rejected for st in refused] == [["big"]] and refused[0].preempted == ["big"]
+    assert sched.seqs["big"].finish_reason == "too_large" and sched.seqs["big"].preemptions == 1
+    assert len(sched.seqs["ok"].output) == 4
+    assert mgr.metrics()["kv_usage"] == 0
+
+
+def test_requests_that_fit_only_with_all_their_pages_run() -> None:
+    """The up-front check is exact for full attention: a request needing every usable block
+    runs; one more token is refused."""
+    cfg = CacheConfig(num_blocks=9, groups=[GroupSpec(kind="full", block_size=16)])
+    sched = Scheduler(KVCacheManager(cfg), FakeEngine(), SchedulerConfig())
+    # 8 usable blocks hold 128 tokens: the prompt and the tokens the last step computes
+    sched.add(Request("fits", tokens(120, 1)), max_tokens=9)
+    sched.add(Request("one-more", tokens(121, 2)), max_tokens=9)
+    drain(sched, max_steps=50)
+    assert sched.seqs["fits"].finish_reason == "length"
+    assert sched.seqs["one-more"].finish_reason == "too_large"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"num_spec_tokens": 3, "max_num_batched_tokens": 3}, r"1 \+ num_spec_tokens = 4"),
+        ({"max_num_seqs": "8"}, "max_num_seqs must be an int"),
+        ({"max_num_batched_tokens": True}, "max_num_batched_tokens must be an int"),
+        ({"max_num_seqs": 2**63}, r"max_num_seqs must be in \[1, 2\*\*63\)"),
+        ({"defer_shared_prefix": "false"}, "defer_shared_prefix must be true or false"),
+    ],
+)
+def test_scheduler_config_rejects_what_could_never_run(kwargs: dict, fragment: str) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        SchedulerConfig(**kwargs)
+
+
+def test_a_step_reports_its_peak_block_usage() -> None:
+    """Counted after the step's allocations: a request that finishes within the step still
+    shows in it (its blocks are released only afterwards)."""
+    cfg = CacheConfig(num_blocks=64, groups=[GroupSpec(kind="full", block_size=16)])
+    mgr = KVCacheManager(cfg)
+    sched = Scheduler(mgr, FakeEngine(), SchedulerConfig())
+    sched.add(Request("a", tokens(100, 1)), max_tokens=1)
+    st = sched.step()
+    assert st.finished == ["a"] and st.num_used_blocks == 7  # ⌈100 / 16⌉ pages
+    assert mgr.num_free_blocks == 63  # released after the step

@@ -30,6 +30,8 @@ def test_resend_grid_shapes() -> None:
     cold, warm, appended = (resolve_prompt(r.prompt, hist) for r in reqs[3:])
     assert len(cold) == 2048 and warm == cold and appended[:2048] == cold and len(appended) == 2053
     assert reqs[4].after == "cold-2048" and reqs[5].after == "warm-2048"
+    # one request at a time: each length's cold request waits for the previous length's last
+    assert reqs[0].after is None and reqs[3].after == "appended-255"
 
 
 def test_shared_prefix_agent_retrieval_pressure() -> None:
@@ -43,9 +45,10 @@ def test_shared_prefix_agent_retrieval_pressure() -> None:
     assert len(resolve_prompt(ag[1].prompt, history)) == 6 + 6 + 4
     rt = load_workload(lines(retrieval(100)))
     assert [r.request_id for r in rt] == ["doc-cold", "doc-warm"]
-    pr = load_workload(lines(pressure(sequences=3, length=10, repeats=2)))
-    assert [r.request_id for r in pr][3:] == ["q0-r1", "q1-r1", "q2-r1"]
-    assert resolve_prompt(pr[0].prompt, {}) == resolve_prompt(pr[3].prompt, {})
+    pr = load_workload(lines(pressure(sequences=3, length=10, repeats=3)))
+    # each replay pass runs in the reverse order of the pass before it
+    assert [r.request_id for r in pr][3:] == ["q2-r1", "q1-r1", "q0-r1", "q0-r2", "q1-r2", "q2-r2"]
+    assert resolve_prompt(pr[0].prompt, {}) == resolve_prompt(pr[5].prompt, {})
 
 
 @pytest.mark.parametrize("kind", sorted(GENERATORS))
@@ -92,6 +95,26 @@ def test_generator_options_are_validated(call, fragment: str) -> None:
         ('{"id": "a", "prompt": {"random": {"seed": 1}}, "max_tokens": 1}', "random"),
         ('{"id": "a", "prompt": {"tokens": [1]}, "max_tokens": 0}', "'max_tokens' must be"),
         ('{"id": "a", "prompt": {"tokens": [1]}, "max_tokens": 1, "arrival": -1}', "'arrival'"),
+        # Python's JSON reader takes NaN and Infinity; as seconds they are nonsense
+        ('{"id": "a", "prompt": {"tokens": [1]}, "max_tokens": 1, "arrival": NaN}', "'arrival'"),
+        (
+            '{"id": "a", "prompt": {"tokens": [1]}, "max_tokens": 1, "arrival": Infinity}',
+            "finite number of seconds",
+        ),
+        ('{"id": "a", "prompt": {"tokens": [1]}, "max_tokens": 1, "arrival": 1e999}', "finite"),
+        (
+            '{"id": "a", "prompt": {"tokens": [1]}, "max_tokens": 1, "arrival": 1'
+            + "0" * 400
+            + "}",
+            "finite",
+        ),
+        ('{"id": "a", "prompt": {"tokens": [1]}, "max_tokens": 1, "arrival": "1"}', "finite"),
+        (
+            '{"id": "a", "prompt": {"random": {"seed": 1, "len": 9223372036854775808}}, '
+            '"max_tokens": 1}',
+            "16,777,216",
+        ),
+        ('{"id": "a", "prompt": {"tokens": [1]}, "max_tokens": 100000000000}', "16,777,216"),
         ('{"id": "a", "prompt": {"tokens": [1]}, "max_tokens": 1, "lora": "x"}', "'lora'"),
         ('{"id": "a", "prompt": {"history": "b"}, "max_tokens": 1}', "no earlier line"),
         (
@@ -111,6 +134,16 @@ def test_duplicate_ids_and_line_numbers() -> None:
     good = '{"id": "a", "prompt": {"tokens": [1]}, "max_tokens": 1}'
     with pytest.raises(WorkloadError, match="line 3: field 'id': duplicate id 'a'"):
         load_workload([good, "", good])
+
+
+def test_pressure_fills_the_geometry_it_is_sized_for() -> None:
+    """Without --sequences, enough sequences to fill 1.5 × the pool: on hybrid-dcp4 (1,023
+    usable blocks, an 8,192-token sequence leaves one attention page and one state) 768."""
+    from kvreuse.sim.generators import fill_sequences
+
+    assert fill_sequences("hybrid-dcp4", 8192) == 768
+    assert fill_sequences("attention-16", 8192) == 24  # 8,191 blocks, 512 pages each
+    assert len(pressure(None, 8192, 2, geometry="attention-16")) == 48
 
 
 def test_random_tokens_are_deterministic() -> None:

@@ -179,14 +179,21 @@ class CacheConfig:
                 total += 2 + g.scratch + geo.kappa
         return total
 
-    def capacity_tokens(self, num_blocks: int | None = None, concurrent_requests: int = 1) -> int:
-        """Largest t with `concurrent_requests × blocks_for_request(t) ≤ num_blocks − 1`, else 0."""
+    def capacity_tokens(
+        self, num_blocks: int | None = None, concurrent_requests: int = 1
+    ) -> int | None:
+        """Largest t with `concurrent_requests × blocks_for_request(t) ≤ num_blocks − 1`, else 0.
+
+        None when there is no largest t: without an attention group a request holds the same
+        blocks at every length, so once its states fit, every length does."""
         blocks = self.num_blocks if num_blocks is None else num_blocks
         if concurrent_requests < 1:
             raise ValueError(f"concurrent_requests must be ≥ 1 (got {concurrent_requests})")
         budget = blocks - 1
         if concurrent_requests * self.blocks_for_request(0) > budget:
             return 0
+        if not any(g.is_attention for g in self._geometry.groups):
+            return None  # blocks_for_request(t) does not grow with t: doubling would not end
         lo, hi = 0, 1
         while concurrent_requests * self.blocks_for_request(hi) <= budget:
             lo, hi = hi, hi * 2

@@ -39,7 +39,7 @@ from kvreuse.core.metrics import RequestStats, count_admission, new_counters, sn
 from kvreuse.core.plan import RequestPlan, StepPlan
 from kvreuse.core.pool import BlockPool
 from kvreuse.core.request import Deferral, Phase, Request, RequestState, new_request_state
-from kvreuse.core.rules import check_allocate, plain_growth
+from kvreuse.core.rules import check_allocate
 from kvreuse.core.savepoints import planned_positions, replay_point, save_positions
 from kvreuse.core.views import describe, export_entries, export_ghost
 
@@ -113,8 +113,21 @@ class KVCacheManager:
         self, req_id: str, num_new_tokens: int, lookup: LookupResult | None, num_extra_slots: int
     ) -> RequestState:
         st = self._get(req_id, "allocate")
-        if lookup is None and num_extra_slots == 0 and plain_growth(st, num_new_tokens):
-            return st  # the common growth (decode, next prefill chunk): provably valid
+        if (  # the common growth (decode, next prefill chunk): provably valid, checked inline
+            lookup is None
+            and type(num_new_tokens) is int
+            and num_extra_slots == 0
+            and st.phase is Phase.RUNNING
+            and st.open_plan is None
+            and st.deferred is None
+            and not st.inflight
+            and num_new_tokens > 0
+            and (
+                st.scheduled == len(st.tokens) - 1  # decode (plus drafts)
+                or st.scheduled + num_new_tokens <= len(st.tokens)  # prefill within N
+            )
+        ):
+            return st
         check_allocate(
             st,
             num_new_tokens,
@@ -185,8 +198,9 @@ class KVCacheManager:
 
         Each item is atomic: None means that request did not fit and nothing of it changed;
         later items are still tried. `num_new_tokens` is one count for all (a decode step: one
-        token plus the drafts to verify) or one per request. The common growth is checked and
-        planned inline; any other call takes the per-request path, with its errors.
+        token plus the drafts to verify) or one per request. Only running requests grow this way
+        (an admission needs its lookup); a call that breaks a rule raises, as `allocate` does,
+        with the items before it done.
         """
         ids = list(request_ids)
         if isinstance(num_new_tokens, int):
@@ -197,8 +211,8 @@ class KVCacheManager:
                 raise ValueError(
                     f"allocate_many: {len(ids)} request ids but {len(counts)} token counts"
                 )
-        requests, geo, pool, counters, add = (
-            self.requests,
+        check, geo, pool, counters, add = (
+            self._check_alloc,
             self.geo,
             self.pool,
             self.counters,
@@ -206,10 +220,7 @@ class KVCacheManager:
         )
         out: list[RequestPlan | None] = []
         for rid, n in zip(ids, counts, strict=True):
-            st = requests.get(rid)
-            if st is None or not plain_growth(st, n):
-                out.append(self.allocate(rid, n))  # admissions, errors, overlapped steps
-                continue
+            st = check(rid, n, None, 0)  # allocate's own checks: the same errors
             rec = grow(geo, pool, counters, st, n, 0, pool.num_free)
             if rec is None:
                 out.append(None)

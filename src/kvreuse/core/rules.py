@@ -68,20 +68,3 @@ def check_allocate(
             f"allocate: {req_id!r} has start={start} > N−1={n_hat - 1}; a step that "
             "verifies drafts must commit before the request grows again"
         )
-
-
-def plain_growth(st: RequestState, num_new_tokens: int) -> bool:
-    """The common growth, valid without the general checks: a running request with nothing in
-    flight or open, growing by a positive int within its known tokens (or decoding)."""
-    return (
-        type(num_new_tokens) is int
-        and st.phase is Phase.RUNNING
-        and st.open_plan is None
-        and st.deferred is None
-        and not st.inflight
-        and num_new_tokens > 0
-        and (
-            st.scheduled == len(st.tokens) - 1  # decode (plus drafts)
-            or st.scheduled + num_new_tokens <= len(st.tokens)  # prefill within N
-        )
-    )

@@ -18,7 +18,17 @@ from kvreuse.engine.model import TinyModel, expected_shapes
 WEIGHTS = "model.safetensors"
 
 
-def save_model(model: TinyModel, directory: str | Path) -> Path:
+def save_model(model: object, directory: str | Path) -> Path:
+    """Write `model` (a `TinyModel`, or an `LLM`, whose model is saved) to `directory`:
+    config.json and model.safetensors, which `load_model` and `LLM(model=directory)` read."""
+    inner = getattr(model, "model", None)
+    if not isinstance(model, TinyModel) and isinstance(inner, TinyModel):
+        model = inner  # an LLM: save the model it runs
+    if not isinstance(model, TinyModel):
+        raise ValueError(
+            f"save_model takes a TinyModel or an LLM (whose .model is saved), "
+            f"got {type(model).__name__}"
+        )
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     model.config.save(path)

@@ -8,11 +8,13 @@ sampling=SamplingParams)` and `llm.scheduler.step()`.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from kvreuse.core import CacheConfig, KVCacheManager, Request
-from kvreuse.deployment import DeploymentSpec, resolve
+from kvreuse.deployment import DeploymentSpec, check_num_blocks, resolve
 from kvreuse.engine.checkpoint import load_model
 from kvreuse.engine.config import LAYER_KINDS, ModelConfig
 from kvreuse.engine.model import TinyModel
@@ -33,11 +35,17 @@ class RequestOutput:
     finish_reason: str  # "length" | "stop"
 
 
+DEFAULT_CONTEXT = 8192  # the embedded model's positions, at least
+
+
 def default_model_config(
-    cache: CacheConfig, vocab_size: int = ByteTokenizer.vocab_size
+    cache: CacheConfig,
+    vocab_size: int = ByteTokenizer.vocab_size,
+    max_model_len: int | None = None,
 ) -> ModelConfig:
     """The seeded default model for a geometry: one layer per target group kind (twice when the
-    geometry has at most two kinds), a draft head when there is a draft group."""
+    geometry has at most two kinds), a draft head when there is a draft group, and positions
+    for the geometry's `max_model_len`."""
     groups = cache.geometry.groups
     kinds = list(
         dict.fromkeys(g.kind for g in groups if g.role == "target" and g.kind in LAYER_KINDS)
@@ -48,8 +56,30 @@ def default_model_config(
     draft = any(g.kind == "full" and g.role == "draft" for g in groups)
     layers = kinds * 2 if len(kinds) <= 2 else kinds
     return ModelConfig(
-        vocab_size=vocab_size, layer_types=tuple(layers), sliding_window=window, draft_head=draft
+        vocab_size=vocab_size,
+        layer_types=tuple(layers),
+        sliding_window=window,
+        draft_head=draft,
+        max_position_embeddings=max(DEFAULT_CONTEXT, max_model_len or 0),
     )
+
+
+def check_model_fits(model: ModelConfig, cache: CacheConfig) -> None:
+    """Every group of the geometry must be used by a layer of the model: a group no layer
+    writes would be allocated, hashed and reported as reused while holding nothing."""
+    have = set(model.layer_types)
+    for g in cache.geometry.groups:
+        if g.is_draft:
+            if g.kind == "full" and not model.draft_head:
+                raise ValueError(
+                    f"the geometry's {g.describe()} holds a drafter's KV, but the model has no "
+                    "draft head; use a geometry without a draft group, or a model with one"
+                )
+        elif g.kind not in have:
+            raise ValueError(
+                f"the geometry has {g.describe()}, but the model has no {g.kind!r} layer "
+                f"(its layers: {sorted(have)}); use a geometry with only those kinds"
+            )
 
 
 class LLM:
@@ -61,22 +91,28 @@ class LLM:
         num_blocks: int | None = None,
         enable_caching: bool = True,
         spec: str | None = None,
-        num_spec_tokens: int = 0,
+        num_spec_tokens: int | None = None,
         seed: int = 0,
         tokenizer: str | None = None,
     ) -> None:
         """`geometry`: a preset name, a TOML geometry file or a `Deployment`
-        (`kvreuse.deployment.resolve`); `num_blocks` overrides its cache size."""
+        (`kvreuse.deployment.resolve`); `num_blocks` overrides its cache size.
+
+        Speculation: `spec` ("ngram" or "eagle") proposes `num_spec_tokens` drafts per decode
+        step (default: the geometry's `num_spec_tokens`, else 3). A geometry that sets
+        `num_spec_tokens` (the tiny-spec-* presets) speculates by default, with the model's
+        draft head when it has one ("eagle"), else "ngram"; `num_spec_tokens=0` turns it off."""
         geo = resolve(geometry)
         changes: dict[str, object] = {"enable_prefix_caching": enable_caching}
         if num_blocks is not None:
+            check_num_blocks(num_blocks, "LLM(num_blocks=...)")
             changes["num_blocks"] = num_blocks
         cache = replace(geo.cache, **changes)  # type: ignore[arg-type]
         self.tokenizer = self._load_tokenizer(model, tokenizer)
         if model is None:
             # the embedded model's vocabulary is exactly its tokenizer's, so every id it
             # generates decodes to text
-            config = default_model_config(cache, self.tokenizer.vocab_size)
+            config = default_model_config(cache, self.tokenizer.vocab_size, geo.max_model_len)
             self.model = TinyModel.random(config, seed)
             self.model_name = f"kvreuse-tiny-{geo.name}"
         else:
@@ -87,10 +123,8 @@ class LLM:
                 f"tokenizer vocab_size {self.tokenizer.vocab_size} exceeds the model's "
                 f"{self.model.config.vocab_size}"
             )
-        if spec is None and num_spec_tokens:
-            raise ValueError("num_spec_tokens > 0 needs spec='ngram' or spec='eagle'")
-        if spec is not None and num_spec_tokens == 0:
-            num_spec_tokens = 3
+        check_model_fits(self.model.config, cache)
+        spec, num_spec_tokens = self._speculation(spec, num_spec_tokens, geo.sched.num_spec_tokens)
         self.mgr = KVCacheManager(cache)
         self.runner = ModelRunner(self.model, cache, spec=spec, seed=seed)
         self.scheduler = Scheduler(
@@ -100,6 +134,20 @@ class LLM:
         self.max_model_len = min(geo.max_model_len or limit, limit)
         self._ids = itertools.count()
 
+    def _speculation(
+        self, spec: str | None, num: int | None, geo_num: int
+    ) -> tuple[str | None, int]:
+        """(spec method, drafts per step) from the arguments and the geometry's default."""
+        if spec is None and num is None and geo_num:
+            spec = "eagle" if self.model.config.draft_head else "ngram"
+        if spec is None:
+            if num:
+                raise ValueError("num_spec_tokens > 0 needs spec='ngram' or spec='eagle'")
+            return None, 0
+        if num is None:
+            num = geo_num or 3
+        return spec, num
+
     @staticmethod
     def _load_tokenizer(model: str | None, path: str | None) -> Tokenizer:
         if path is None and model is not None and (Path(model) / "tokenizer.json").is_file():
@@ -108,14 +156,23 @@ class LLM:
 
     def generate(
         self,
-        prompts: list[str | list[int]],
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run the prompts to completion (continuous batching) and return them in order."""
-        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
-        rids = [self._add(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        """Run the prompts to completion (continuous batching) and return them in order.
+
+        `prompts`: a list of prompts (strings or token-id lists), or one prompt: a string, or
+        a list of token ids (as vLLM's `generate` takes them)."""
+        one = isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and bool(prompts) and all(type(t) is int for t in prompts)
+        )
+        batch: list[Any] = [prompts] if one else list(prompts)
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(batch)
+        if len(plist) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(plist)} SamplingParams")
+        # every prompt is checked before any is queued: a bad one leaves nothing behind
+        encoded = [self._encode(p, sp) for p, sp in zip(batch, plist, strict=True)]
+        rids = [self._add(ids, sp) for ids, sp in zip(encoded, plist, strict=True)]
         while not all(self.scheduler.seqs[rid].finished for rid in rids):
             self.scheduler.step()
         too_large = [rid for rid in rids if self.scheduler.seqs[rid].finish_reason == "too_large"]
@@ -126,15 +183,31 @@ class LLM:
             )
         return [self._output(rid) for rid in rids]
 
-    def _add(self, prompt: str | list[int], sp: SamplingParams) -> str:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    def _encode(self, prompt: Any, sp: Any) -> list[int]:
+        if not isinstance(sp, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(sp).__name__}")
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, Sequence) and all(type(t) is int for t in prompt):
+            ids = list(prompt)
+        else:
+            raise ValueError(
+                f"a prompt is a string or a list of token ids (ints), got {type(prompt).__name__}"
+            )
         if not ids:
             raise ValueError("empty prompt: a request needs at least one token")
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the model's vocabulary [0, {vocab})")
         if len(ids) + sp.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt of {len(ids)} tokens + max_tokens {sp.max_tokens} exceeds "
                 f"max_model_len {self.max_model_len}"
             )
+        return ids
+
+    def _add(self, ids: list[int], sp: SamplingParams) -> str:
         rid = f"llm-{next(self._ids)}"
         self.scheduler.add(
             Request(rid, ids), sp.max_tokens, sampling=sp, stop_token_ids=sp.stop_token_ids

@@ -8,6 +8,7 @@ same generator draws, with or without speculation (and with or without a cache h
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -16,8 +17,12 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """Defaults are vLLM's: 16 tokens, sampled at temperature 1.0 (pass temperature=0 for
+    greedy decoding). Without a `seed`, a request's draws are seeded from the engine's seed and
+    the request id, so a rerun of the same `LLM` calls gives the same tokens."""
+
     max_tokens: int = 16
-    temperature: float = 0.0
+    temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
@@ -28,8 +33,12 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an int, got {self.max_tokens!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be ≥ 1, got {self.max_tokens}")
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be ≥ 0, got {self.temperature}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        if not 0.0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number ≥ 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
@@ -38,13 +47,16 @@ class SamplingParams:
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
         ):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-        stops = tuple(self.stop_token_ids)
+        try:
+            stops = tuple(self.stop_token_ids)
+        except TypeError:
+            stops = (-1,)  # not a sequence: reported below
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stops):
             raise ValueError(f"stop_token_ids must be ints ≥ 0, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", stops)
 
 
-GREEDY = SamplingParams()
+GREEDY = SamplingParams(temperature=0.0)  # what a request without SamplingParams decodes with
 
 
 def sample(logits: Tensor, params: SamplingParams, gen: torch.Generator) -> int:

@@ -16,35 +16,56 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 from kvreuse.deployment import Deployment, resolve
 from kvreuse.qualify.predictor import RulePredictor, ShadowPredictor
+from kvreuse.qualify.progress import ScenarioProgress
 from kvreuse.qualify.report import print_report, write_report
-from kvreuse.qualify.runner import Client, QualifyError, Runner
+from kvreuse.qualify.runner import Client, QualifyError, Runner, UsageError
 from kvreuse.qualify.scenarios import run_all
 
-__all__ = ["Client", "QualifyError", "RulePredictor", "Runner", "ShadowPredictor", "main"]
+__all__ = [
+    "Client",
+    "QualifyError",
+    "RulePredictor",
+    "Runner",
+    "ShadowPredictor",
+    "UsageError",
+    "main",
+]
 
 QUALIFY_NUM_BLOCKS = {False: 192, True: 48}  # in-process cache by --quick: fillable on a CPU
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run every scenario against `args.url` (or an in-process server); 0 when all passed."""
+    """Run every scenario against `args.url` (or an in-process server). Exit code: 0 passed,
+    1 failed, 2 usage error (nothing could be checked), 130 Ctrl-C (finished scenarios kept)."""
     started = time.monotonic()
+    runner: Runner | None = None
+    url = args.url or "in-process server"
     try:
+        _check_out(Path(args.out))
         with _server(args) as url:
             client = Client(url)
             try:
                 geo = _given_geometry(args) if args.url and args.geometry else client.geometry()
-                runner = Runner(client, geo, args.seed)
+                runner = Runner(client, geo, args.seed, ScenarioProgress(not args.quiet))
                 run_all(runner, quick=args.quick, max_fill=args.max_fill_tokens)
             finally:
                 client.close()
+    except UsageError as exc:
+        print(f"kvreuse qualify: {exc}", file=sys.stderr)
+        return 2
     except QualifyError as exc:
         print(f"kvreuse qualify: FAILED: {exc}")
         return 1
+    except KeyboardInterrupt:
+        return _interrupted(runner, args.out, url, time.monotonic() - started)
     seconds = time.monotonic() - started
     write_report(runner, args.out, url, seconds)
     print_report(runner, seconds)
@@ -53,9 +74,38 @@ def main(args: argparse.Namespace) -> int:
         print(f"FAIL {f}")
     print(
         f"kvreuse qualify: {'PASSED' if not failures else 'FAILED'} "
-        f"({len(failures)} failure(s)); report in {args.out}/qualify.md"
+        f"({len(failures):,} failure(s)); report in {args.out}/qualify.md"
     )
     return 0 if not failures else 1
+
+
+def _interrupted(runner: Runner | None, out: str, url: str, seconds: float) -> int:
+    """Ctrl-C: keep the scenarios that finished, and say where they are."""
+    scenarios = runner.scenarios if runner else []
+    done = [sc for sc in scenarios if sc.finished]
+    current = next((sc.name for sc in scenarios if not sc.finished), None)
+    where = "before any scenario finished"
+    if runner is not None and done:
+        runner.scenarios = done
+        write_report(runner, out, url, seconds, interrupted=True)
+        where = f"after {len(done)} scenario(s); their report is in {out}/qualify.md"
+    during = f" during {current}" if current else ""
+    print(f"kvreuse qualify: interrupted{during} {where}", file=sys.stderr)
+    return INTERRUPTED
+
+
+def _check_out(out: Path) -> None:
+    """--out must be a directory we can write, checked before the scenarios run."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out {out}: cannot create the directory ({exc.strerror})") from None
+    for name in ("qualify.json", "qualify.md"):
+        path = out / name
+        if path.exists() and not path.is_file():
+            raise UsageError(f"--out {out}: {name} exists and is not a file")
 
 
 def _given_geometry(args: argparse.Namespace) -> Deployment:
@@ -63,7 +113,7 @@ def _given_geometry(args: argparse.Namespace) -> Deployment:
     try:
         return resolve(args.geometry)
     except ValueError as exc:  # GeometryError, or the core's ConfigError
-        raise QualifyError(str(exc)) from None
+        raise UsageError(str(exc)) from None
 
 
 @contextlib.contextmanager
@@ -82,7 +132,7 @@ def _server(args: argparse.Namespace) -> Iterator[str]:
             if args.fake
             else default_backend(args.model, args.geometry, blocks)
         )
-    except (RuntimeError, ValueError, OSError) as exc:
-        raise QualifyError(str(exc)) from None
+    except (RuntimeError, ValueError, OSError) as exc:  # bad --model, --geometry, no torch
+        raise UsageError(str(exc)) from None
     with ServerThread(create_app(backend)) as url:
         yield url

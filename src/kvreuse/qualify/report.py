@@ -26,14 +26,20 @@ def _summary(sc: Scenario) -> dict[str, Any]:
     }
 
 
-def write_report(runner: Runner, out: str, url: str, seconds: float) -> None:
+def write_report(
+    runner: Runner, out: str, url: str, seconds: float, interrupted: bool = False
+) -> None:
+    """qualify.json and qualify.md (`interrupted`: Ctrl-C stopped the run; the finished
+    scenarios are reported and the run did not pass)."""
     path = Path(out)
     path.mkdir(parents=True, exist_ok=True)
     failures = runner.failures()
+    verdict = "INTERRUPTED" if interrupted else "PASSED" if not failures else "FAILED"
     doc = {
         "url": url,
         "model": runner.client.model,
-        "passed": not failures,
+        "passed": not failures and not interrupted,
+        "interrupted": interrupted,
         "seconds": round(seconds, 2),
         "failures": failures,
         "scenarios": [
@@ -42,7 +48,7 @@ def write_report(runner: Runner, out: str, url: str, seconds: float) -> None:
     }
     (path / "qualify.json").write_text(json.dumps(doc, indent=1) + "\n")
     lines = [
-        f"# kvreuse qualify: {'PASSED' if not failures else 'FAILED'}",
+        f"# kvreuse qualify: {verdict}",
         "",
         f"Server {url}, model `{runner.client.model}`, {seconds:.1f} s.",
         "",
@@ -53,9 +59,10 @@ def write_report(runner: Runner, out: str, url: str, seconds: float) -> None:
     for sc in runner.scenarios:
         s = _summary(sc)
         lines.append(
-            f"| {s['scenario']} | {s['requests']} | {s['cached_tokens']} | {s['hits_delta']:g} "
-            f"| {s['evicted_blocks']:g} | {'yes' if s['rules_checked'] else 'no'} "
-            f"| {s['failed_requests']} | {s['seconds']} | {s['status']} |"
+            f"| {s['scenario']} | {s['requests']:,} | {s['cached_tokens']:,} "
+            f"| {s['hits_delta']:,.0f} | {s['evicted_blocks']:,.0f} "
+            f"| {'yes' if s['rules_checked'] else 'no'} "
+            f"| {s['failed_requests']:,} | {s['seconds']} | {s['status']} |"
         )
     lines += [
         "",
@@ -69,8 +76,9 @@ def write_report(runner: Runner, out: str, url: str, seconds: float) -> None:
             ans = "" if r.answer_ok is None else ("same" if r.answer_ok else "DIFFERS")
             rules = "n/a" if r.rules is None else r.rules
             lines.append(
-                f"| {r.scenario} | {r.request} | {r.prompt_tokens} | {r.cached} "
-                f"| {rules} | {r.shadow} | {ans} | {'FAIL' if r.failures else 'ok'} |"
+                f"| {r.scenario} | {r.request} | {r.prompt_tokens:,} | {r.cached:,} "
+                f"| {rules if isinstance(rules, str) else f'{rules:,}'} | {r.shadow:,} | {ans} "
+                f"| {'FAIL' if r.failures else 'ok'} |"
             )
     if failures:
         lines += ["", "## Failures", ""] + [f"- {f}" for f in failures]
@@ -99,12 +107,12 @@ def print_report(runner: Runner, seconds: float) -> None:
         style = {"pass": "green", "FAIL": "bold red", "skip": "yellow"}[s["status"]]
         table.add_row(
             s["scenario"],
-            str(s["requests"]),
-            str(s["cached_tokens"]),
-            f"{s['hits_delta']:g}",
-            f"{s['evicted_blocks']:g}",
+            f"{s['requests']:,}",
+            f"{s['cached_tokens']:,}",
+            f"{s['hits_delta']:,.0f}",
+            f"{s['evicted_blocks']:,.0f}",
             "yes" if s["rules_checked"] else "no",
-            str(s["failed_requests"]),
+            f"{s['failed_requests']:,}",
             f"{s['seconds']:.1f}",
             f"[{style}]{s['status']}[/{style}]",
         )

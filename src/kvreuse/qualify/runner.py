@@ -16,13 +16,19 @@ import httpx
 
 from kvreuse.deployment import Deployment, load_geometry
 from kvreuse.qualify.predictor import RulePredictor, ShadowPredictor
+from kvreuse.qualify.progress import ScenarioProgress
 
 HITS = ("kvreuse:prefix_cache_hits_total", "vllm:prefix_cache_hits_total")
 EVICTED = ("kvreuse:kv_blocks_evicted_total",)
 
 
 class QualifyError(RuntimeError):
-    """The server could not be qualified at all (unreachable, no geometry, reset refused)."""
+    """The server could not be qualified at all (no geometry, reset refused, bad answers)."""
+
+
+class UsageError(QualifyError):
+    """Nothing could be checked because of how qualify was called: a bad option, a model or
+    geometry that does not load, or a --url nothing answers at (exit code 2, not 1)."""
 
 
 @dataclass
@@ -46,6 +52,7 @@ class Scenario:
     seconds: float = 0
     skipped: str | None = None
     failures: list[str] = field(default_factory=list)
+    finished: bool = False  # ran to its end (an interrupted one is left out of the report)
 
 
 class Client:
@@ -53,6 +60,11 @@ class Client:
         self.http = httpx.Client(base_url=url.rstrip("/"), timeout=timeout)
         try:
             card = self.http.get("/v1/models").raise_for_status().json()["data"][0]
+        except (httpx.InvalidURL, httpx.UnsupportedProtocol, httpx.ConnectError) as exc:
+            self.http.close()
+            raise UsageError(
+                f"--url {url}: cannot connect ({exc}); is a server running there?"
+            ) from None
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
             self.http.close()
             raise QualifyError(f"{url}: cannot list the model ({exc})") from None
@@ -124,8 +136,15 @@ class Client:
 
 
 class Runner:
-    def __init__(self, client: Client, geo: Deployment, seed: int) -> None:
+    def __init__(
+        self,
+        client: Client,
+        geo: Deployment,
+        seed: int,
+        progress: ScenarioProgress | None = None,
+    ) -> None:
         self.client, self.geo = client, geo
+        self.progress = progress or ScenarioProgress(enabled=False)
         self.rng = random.Random(seed)
         self.scenarios: list[Scenario] = []
         self.current: Scenario | None = None
@@ -139,6 +158,7 @@ class Runner:
     def scenario(self, name: str) -> Iterator[Scenario]:
         sc = Scenario(name)
         self.scenarios.append(sc)
+        self.progress.start(name)
         self.client.reset()
         self.rules, self.shadow = RulePredictor(self.geo), ShadowPredictor(self.geo)
         hits0, ev0, t0 = self.client.metric(HITS), self._evicted(), time.monotonic()
@@ -150,6 +170,9 @@ class Runner:
         sc.seconds = time.monotonic() - t0
         sc.hits_delta, sc.evicted = self.client.metric(HITS) - hits0, self._evicted() - ev0
         self._judge(sc)
+        sc.finished = True
+        bad = any(row.failures for row in sc.rows) or sc.failures
+        self.progress.done(name, "skip" if sc.skipped else "FAIL" if bad else "pass")
 
     def _evicted(self) -> float:
         try:
@@ -171,6 +194,7 @@ class Runner:
         shadow = self.shadow.run(prompt, out)
         self.rules.publish(prompt, out, rule, junction)
         row = Row(self.current.name, name, len(prompt), cached, rule, shadow)
+        self.progress.sent()
         if same_as is not None:
             row.answer_ok = out == same_as
         self.current.rows.append(row)

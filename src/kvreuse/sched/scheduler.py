@@ -35,11 +35,27 @@ class SchedulerConfig:
     max_defer_steps: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
-        if self.num_spec_tokens < 0 or self.max_defer_steps < 0:
-            raise ValueError("num_spec_tokens and max_defer_steps must be ≥ 0")
+        for name, minimum in (
+            ("max_num_seqs", 1),
+            ("max_num_batched_tokens", 1),
+            ("num_spec_tokens", 0),
+            ("max_defer_steps", 0),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an int, got {value!r}")
+            if not minimum <= value < 2**63:
+                raise ValueError(f"{name} must be in [{minimum}, 2**63), got {value}")
+        for name in ("chunk_at_save_positions", "defer_shared_prefix"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if 1 + self.num_spec_tokens > self.max_num_batched_tokens:
+            # a decode step (one token plus its drafts) would never fit a step's budget
+            raise ValueError(
+                f"a decode step needs 1 + num_spec_tokens = {1 + self.num_spec_tokens} tokens, "
+                f"more than max_num_batched_tokens = {self.max_num_batched_tokens}; lower "
+                "num_spec_tokens or raise max_num_batched_tokens"
+            )
 
 
 @dataclass(eq=False, slots=True)
@@ -61,6 +77,7 @@ class Seq:
     finish_reason: str | None = None  # "length" | "stop" | "abort" | "too_large"
     stats: RequestStats | None = None  # the core's final statistics, kept at finish
     finished: bool = False
+    too_large: bool = False  # can never fit the pool, even alone: rejected when reached
     request_id: str = field(init=False)  # the request's id, read several times per step
 
     def __post_init__(self) -> None:
@@ -81,6 +98,9 @@ class StepStats:
     deferred: list[str]
     finished: list[str]
     rejected: list[str] = field(default_factory=list)  # can never fit the pool: finished
+    # blocks referenced once the step's allocations are done: the step's peak, since the
+    # commit and the finishes that follow only release blocks
+    num_used_blocks: int = 0
 
 
 class Scheduler:
@@ -96,6 +116,17 @@ class Scheduler:
         self.running: list[Seq] = []  # in admission order: the last is the preemption victim
         self.seqs: dict[str, Seq] = {}
         self.num_steps = 0
+        geo = mgr.config.geometry
+        # per group, what a request of N tokens must hold at once, at least: every page of a
+        # full-attention group, one page of a window group, a recurrent group's live state and
+        # scratch. Exact for full attention; the rest are lower bounds, so no request that
+        # could run is ever refused (one that still cannot fit is caught when it preempts
+        # itself, alone in the batch).
+        self._full_pages = [g.page_size for g in geo.groups if g.kind == "full"]
+        self._fixed_blocks = sum(
+            1 if g.is_attention else 1 + g.scratch for g in geo.groups if g.kind != "full"
+        )
+        self._usable_blocks = mgr.config.num_blocks - 1  # the null block is never handed out
 
     # ------------------------------------------------------------------ requests
     def add(
@@ -115,6 +146,8 @@ class Scheduler:
         num = len(request.prompt_token_ids)
         seq = Seq(request, max_tokens, num, num, sampling=sampling)
         seq.stop_token_ids = frozenset(stop_token_ids)
+        # Its last step computes at least prompt + max_tokens − 1 tokens (more with drafts).
+        seq.too_large = self.min_blocks(num + max_tokens - 1) > self._usable_blocks
         self.seqs[seq.request_id] = seq
         self.waiting.append(seq)
         return seq
@@ -134,6 +167,10 @@ class Scheduler:
             raise ValueError(f"pop_finished: request {request_id!r} has not finished")
         return self.seqs.pop(request_id)
 
+    def min_blocks(self, num_tokens: int) -> int:
+        """A lower bound of the blocks a request must hold at once to compute `num_tokens`."""
+        return self._fixed_blocks + sum(-(-num_tokens // b) for b in self._full_pages)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -142,6 +179,7 @@ class Scheduler:
         stats = StepStats(0, 0, 0, 0, [], [], [], [])
         budget = self._grow_running(stats, self.config.max_num_batched_tokens)
         self._admit_waiting(stats, budget)
+        stats.num_used_blocks = self._usable_blocks - self.mgr.num_free_blocks
         step = self.mgr.seal_step()
         stats.step_id = step.step_id
         if step.requests:
@@ -170,6 +208,9 @@ class Scheduler:
                 victim = self.running[-1]
                 self._preempt(victim, stats)
                 if victim is seq:
+                    if not self.running:  # it had the whole pool and still did not fit
+                        self.waiting.popleft()  # where _preempt put it
+                        self._reject(seq, stats)
                     break
             else:
                 self._count(stats, seq, seq.scheduled, num_new)
@@ -185,6 +226,10 @@ class Scheduler:
         seats = self.config.max_num_seqs - len(self.running)
         while waiting and budget > 0 and seats > 0:
             seq = waiting.popleft()
+            if seq.too_large:  # refused up front: running it would only preempt itself
+                self._reject(seq, stats)
+                seats -= 1  # a refusal takes a seat too: a flood of them cannot stall a step
+                continue
             res = self.mgr.lookup(seq.request_id)
             if (
                 self.config.defer_shared_prefix
@@ -202,6 +247,7 @@ class Scheduler:
             if self.mgr.allocate(seq.request_id, num_new, lookup=res) is None:
                 if not self.running:  # the whole pool is free for it, and it still won't fit
                     self._reject(seq, stats)
+                    seats -= 1
                     continue
                 waiting.appendleft(seq)  # FCFS: nothing behind it may jump the queue
                 break
@@ -236,13 +282,17 @@ class Scheduler:
 
     def _count(self, stats: StepStats, seq: Seq, start: int, num_new: int) -> None:
         stats.num_scheduled_tokens += num_new
-        if start >= seq.num_tokens - 1:
+        # the last prompt token of a request with no output yet (a warm hit that leaves one
+        # token to compute) is prefill, not a decode step
+        if start >= seq.num_tokens - 1 and seq.output:
             stats.num_decode_tokens += num_new
         else:
             stats.num_prefill_tokens += num_new
 
     def _reject(self, seq: Seq, stats: StepStats) -> None:
-        """Finish a request whose first chunk cannot fit even an empty pool (else: a hang)."""
+        """Finish a request that cannot fit even an empty pool (else: a hang): its whole
+        length is known not to fit (`too_large`), its first chunk did not fit, or it preempted
+        itself with nothing else running."""
         seq.stats = self.mgr.finish(seq.request_id)
         seq.finished, seq.finish_reason = True, "too_large"
         stats.rejected.append(seq.request_id)

@@ -6,8 +6,11 @@ Prompts are described, not materialised ({"random": {"seed", "len"}}), so files 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from kvreuse.deployment import DeploymentSpec, resolve
 
 Line = dict[str, Any]
 
@@ -25,7 +28,10 @@ def _positive(**values: int) -> None:
 def resend_grid(
     lengths: Sequence[int], extra: int = 8, max_tokens: int = 1, seed: int = 0
 ) -> list[Line]:
-    """Per length: a cold request, an identical warm resend, then the prompt plus `extra`."""
+    """Per length: a cold request, an identical warm resend, then the prompt plus `extra`.
+
+    One request at a time (each waits for the one before): a request's TTFT is then its own
+    prefill, not the queue behind other lengths' cold prompts, so warm and cold compare."""
     if not lengths:
         raise ValueError("--lengths needs at least one length")
     _positive(extra=extra, max_tokens=max_tokens)
@@ -35,7 +41,10 @@ def resend_grid(
     out: list[Line] = []
     for n in lengths:
         base = _rand(seed * 1_000_003 + n, n)
-        out.append({"id": f"cold-{n}", "prompt": base, "max_tokens": max_tokens})
+        cold: Line = {"id": f"cold-{n}", "prompt": base, "max_tokens": max_tokens}
+        if out:
+            cold["after"] = out[-1]["id"]
+        out.append(cold)
         out.append(
             {"id": f"warm-{n}", "prompt": base, "max_tokens": max_tokens, "after": f"cold-{n}"}
         )
@@ -106,16 +115,35 @@ def retrieval(length: int, max_tokens: int = 16, seed: int = 0) -> list[Line]:
     ]
 
 
+def fill_sequences(geometry: DeploymentSpec, length: int, factor: float = 1.5) -> int:
+    """Sequences of `length` tokens whose cached pages fill `factor` × the geometry's pool."""
+    cfg = resolve(geometry).cache
+    groups = cfg.geometry.groups
+    # what a finished sequence leaves cached: its attention pages and one state per recurrent group
+    per = sum(-(-length // g.page_size) if g.is_attention else 1 for g in groups)
+    return max(1, math.ceil(factor * (cfg.num_blocks - 1) / per))
+
+
 def pressure(
-    sequences: int, length: int, repeats: int, max_tokens: int = 1, seed: int = 0
+    sequences: int | None,
+    length: int,
+    repeats: int,
+    max_tokens: int = 1,
+    seed: int = 0,
+    geometry: DeploymentSpec = "hybrid-dcp4",
 ) -> list[Line]:
-    """Fill the cache with `sequences` long sequences, one after another, then replay them all,
-    `repeats` times."""
+    """Fill the cache with long sequences, one after another, then replay them, each pass in
+    the reverse order of the one before (`repeats` passes in all): a replay first finds the
+    newest sequences cached and then the ones evicted. `sequences=None`: enough to fill
+    1.5 × `geometry`'s pool."""
+    if sequences is None:
+        _positive(length=length)
+        sequences = fill_sequences(geometry, length)
     _positive(sequences=sequences, length=length, repeats=repeats, max_tokens=max_tokens)
     out: list[Line] = []
     prev: str | None = None
     for r in range(repeats):
-        for j in range(sequences):
+        for j in range(sequences) if r % 2 == 0 else reversed(range(sequences)):
             line: Line = {
                 "id": f"q{j}-r{r}",
                 "prompt": _rand(seed * 1_000_003 + j, length),

@@ -3,21 +3,27 @@
 The simulated clock advances by a cost model per step (an estimate: prefill tokens at a fixed
 rate plus a fixed decode-step time), so arrivals interleave with the batch as they would on a
 server, and TTFT estimates show what reuse saves. A request joins the scheduler when it has
-arrived and every request it depends on (`after`, `history`) has finished.
+arrived, every request it depends on (`after`, `history`) has finished and the scheduler's
+queue has room (`kvreuse.sim.feed`); its row leaves as soon as it finishes (`kvreuse.sim.tally`).
 """
 
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvreuse.core import KVCacheManager, Request
+from kvreuse.core import KVCacheManager
 from kvreuse.deployment import Deployment
 from kvreuse.sched import FakeEngine, Scheduler, Seq
-from kvreuse.sim.workload import WorkloadError, WorkloadRequest, tokens_of
+from kvreuse.sim.feed import Feeder
+from kvreuse.sim.tally import Tally
+from kvreuse.sim.workload import WorkloadRequest
+
+Row = dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,10 +34,11 @@ class CostModel:
     decode_step_s: float = 0.02
 
     def __post_init__(self) -> None:
-        if self.prefill_tokens_per_s <= 0 or self.decode_step_s < 0:
+        rate, step = self.prefill_tokens_per_s, self.decode_step_s
+        if not (math.isfinite(rate) and rate > 0 and math.isfinite(step) and step >= 0):
             raise ValueError(
-                "cost model: prefill_tokens_per_s must be > 0 and decode_step_s ≥ 0, got "
-                f"{self.prefill_tokens_per_s}, {self.decode_step_s}"
+                "cost model: prefill_tokens_per_s must be a finite number > 0 and decode_step_s "
+                f"a finite number ≥ 0, got {rate}, {step}"
             )
 
     def step_time(self, num_prefill: int, num_decode: int) -> float:
@@ -40,9 +47,13 @@ class CostModel:
 
 @dataclass
 class SimResult:
+    """`requests`: the rows, in workload order (empty when they went to a sink instead);
+    `tally`: what the summary table, the report and the plots need of them."""
+
     requests: list[dict[str, Any]]
     summary: dict[str, Any]
     timeline: list[tuple[float, float, float]] = field(default_factory=list)  # t, usage, hit rate
+    tally: Tally = field(default_factory=Tally)
 
 
 class SimulationError(RuntimeError):
@@ -53,10 +64,10 @@ class SimulationError(RuntimeError):
 def _cyclic_gc_paused() -> Iterator[None]:
     """Pause Python's cycle collector (reference counting still frees everything).
 
-    A run holds every waiting request's tokens; each full collection walks all of them, which
-    made a 10,000-request run spend half its time in the collector. The scheduler, the core
-    and the simulator build no reference cycles (tests/sim/test_simulate.py checks this), so
-    nothing accumulates while the collector is paused.
+    A run allocates millions of small objects (tokens, hashes, plans); each full collection
+    walks every live one, which once made a 10,000-request run spend half its time in the
+    collector. The scheduler, the core and the simulator build no reference cycles
+    (tests/sim/test_simulate.py checks this), so nothing accumulates while it is paused.
     """
     was = gc.isenabled()
     gc.disable()
@@ -67,160 +78,194 @@ def _cyclic_gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+class SimulationInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped the run; `result` holds what finished before (its summary says so)."""
+
+    def __init__(self, result: SimResult) -> None:
+        super().__init__()
+        self.result = result
+
+
 def simulate(
     geo: Deployment,
     workload: list[WorkloadRequest],
     cost: CostModel | None = None,
     on_step: Callable[[int, int], None] | None = None,
     draft_accept_rate: float = 0.7,
+    sink: Callable[[Row], None] | None = None,
 ) -> SimResult:
     """Replay `workload` on `geo`. With `num_spec_tokens` > 0 in the geometry, each draft is
-    accepted with probability `draft_accept_rate` (seeded: runs are reproducible)."""
+    accepted with probability `draft_accept_rate` (seeded: runs are reproducible).
+
+    Each request's row goes to `sink` as soon as it and every request before it in the
+    workload have finished; without a sink the rows are kept in `SimResult.requests`."""
     engine = FakeEngine(accept_rate=draft_accept_rate)
+    kept: list[Row] = []
     with _cyclic_gc_paused():
-        return _simulate(geo, workload, cost or CostModel(), on_step, engine)
+        out = kept.append if sink is None else sink
+        run = _Run(geo, workload, cost or CostModel(), engine, out)
+        try:
+            return run.loop(on_step, kept)
+        except KeyboardInterrupt:
+            raise SimulationInterrupted(run.result(kept, interrupted=True)) from None
 
 
-def _simulate(
-    geo: Deployment,
-    workload: list[WorkloadRequest],
-    cost: CostModel,
-    on_step: Callable[[int, int], None] | None,
-    engine: FakeEngine,
-) -> SimResult:
-    # Nobody drains events in a simulation; recording them would keep every finished
-    # request's tokens alive until the event queue's bound.
-    mgr = KVCacheManager(replace(geo.cache, enable_events=False))
-    sched = Scheduler(mgr, engine, geo.sched)
-    pending = list(workload)
-    # Tokens are kept only for requests a later prompt quotes with {"history": id}: holding
-    # every finished request's tokens would make the run's memory (and the garbage
-    # collector's passes over it) grow with the workload.
-    quoted = {h for w in workload for h in w.histories()}
-    history: dict[str, list[int]] = {}
-    done: set[str] = set()
-    arrived: dict[str, float] = {}
-    first_token: dict[str, float] = {}
-    rows: dict[str, dict[str, Any]] = {}
-    clock, peak_usage, timeline = 0.0, 0.0, []
-    num_prefill = num_deferred = 0
-    while pending or sched.has_work():
-        pending = _release_ready(sched, pending, history, done, arrived, clock, geo.max_model_len)
-        if not sched.has_work():
-            ready = [w.arrival for w in pending if w.dependencies() <= done]
-            if not ready:
-                raise SimulationError(f"{len(pending)} requests wait on requests that never finish")
-            clock = max(clock, min(ready))
-            continue
+class _Run:
+    """One replay: the scheduler, the feeder, the clock, and the rows waiting for their turn."""
+
+    def __init__(
+        self,
+        geo: Deployment,
+        workload: list[WorkloadRequest],
+        cost: CostModel,
+        engine: FakeEngine,
+        sink: Callable[[Row], None],
+    ) -> None:
+        # Nobody drains events in a simulation; recording them would keep every finished
+        # request's tokens alive until the event queue's bound.
+        self.mgr = KVCacheManager(replace(geo.cache, enable_events=False))
+        self.sched = Scheduler(self.mgr, engine, geo.sched)
+        self.feeder = Feeder(workload, geo.max_model_len)
+        self.workload, self.cost, self.sink = workload, cost, sink
+        self.tally = Tally()
+        self.first_admitted: dict[str, float] = {}
+        self.first_token: dict[str, float] = {}
+        self.finished: dict[int, tuple[Row, bool]] = {}  # by workload index, until their turn
+        self.next_row = 0  # workload index of the next row for the sink
+        self.clock, self.peak_used, self.num_prefill, self.num_deferred = 0.0, 0, 0, 0
+        self.timeline: list[tuple[float, float, float]] = []
+
+    def loop(self, on_step: Callable[[int, int], None] | None, kept: list[Row]) -> SimResult:
+        sched, feeder, limit = self.sched, self.feeder, self.sched.config.max_num_seqs
+        while not feeder.done or sched.has_work():
+            feeder.release(self.clock)
+            feeder.feed(sched, limit)
+            if not sched.has_work():
+                nxt = feeder.next_arrival()
+                if nxt is None:
+                    left = len(self.workload) - feeder.num_handed
+                    raise SimulationError(f"{left} requests wait on requests that never finish")
+                self.clock = max(self.clock, nxt)
+                continue
+            self._step()
+            if on_step is not None:
+                on_step(self.tally.num_rows + len(self.finished), len(self.workload))
+        return self.result(kept, interrupted=False)
+
+    def _step(self) -> None:
+        sched, mgr, start = self.sched, self.mgr, self.clock
         st = sched.step()
-        clock += cost.step_time(st.num_prefill_tokens, st.num_decode_tokens)
-        num_prefill += st.num_prefill_tokens
-        num_deferred += len(st.deferred)
+        self.clock += self.cost.step_time(st.num_prefill_tokens, st.num_decode_tokens)
+        self.num_prefill += st.num_prefill_tokens
+        self.num_deferred += len(st.deferred)
+        for rid in st.admitted:
+            self.first_admitted.setdefault(rid, start)
         for seq in sched.running:
-            if seq.output and seq.request_id not in first_token:
-                first_token[seq.request_id] = clock
+            if seq.output and seq.request_id not in self.first_token:
+                self.first_token[seq.request_id] = self.clock
         for rid in (*st.finished, *st.rejected):
             seq = sched.pop_finished(rid)
-            first_token.setdefault(rid, clock)
-            done.add(rid)
-            if rid in quoted:
-                history[rid] = list(seq.request.prompt_token_ids) + seq.output
-            rows[rid] = _row(seq, arrived, first_token)
-        # O(1) per step: usage from the free-queue length (spec §11.1), not a metrics() scan
-        usage = 1 - mgr.num_free_blocks / (mgr.config.num_blocks - 1)
-        peak_usage = max(peak_usage, usage)
+            self.feeder.finished(seq, self.clock)
+            self._finish(seq)
+        # usage where it peaks: after the step's allocations, before its finishes released
+        self.peak_used = max(self.peak_used, st.num_used_blocks)
         queries = mgr.counters["prefix_cache_queries"]
         hits = mgr.counters["prefix_cache_hits"]
-        timeline.append((clock, usage, hits / queries if queries else 0.0))
-        if on_step is not None:
-            on_step(len(done), len(workload))
-    ordered = [rows[w.request_id] for w in workload]
-    summary = _summary(mgr, ordered, peak_usage, clock)
-    summary["steps"] = sched.num_steps
-    summary["prefill_tokens_computed"] = num_prefill
-    summary["deferral_waits"] = num_deferred  # request-steps spent waiting for a shared prefix
-    return SimResult(ordered, summary, timeline)
+        usage = st.num_used_blocks / (mgr.config.num_blocks - 1)
+        self.timeline.append((self.clock, usage, hits / queries if queries else 0.0))
+
+    def _finish(self, seq: Seq) -> None:
+        rid = seq.request_id
+        arrived = self.feeder.arrived.pop(rid)
+        admitted = self.first_admitted.pop(rid, None)
+        # no first token recorded: it came in the step that finished the request
+        first: float | None = self.first_token.pop(rid, self.clock)
+        if seq.finish_reason == "too_large":
+            admitted = first = None  # refused: whatever it computed was thrown away
+        stats = seq.stats
+        row = {
+            "id": rid,
+            "prompt_tokens": seq.prompt_len,
+            "cached_tokens": stats.cached_tokens if stats else 0,
+            "reason": stats.reason if stats else "not_admitted",
+            "output_tokens": len(seq.output),
+            "preemptions": seq.preemptions,
+            "finish_reason": seq.finish_reason,
+            # cost-model estimates: waiting for a seat, and arrival to first token (None for a
+            # request refused as too large: it produced no token)
+            "queue_s": None if admitted is None else round(admitted - arrived, 6),
+            "ttft_estimate_s": None if first is None else round(first - arrived, 6),
+        }
+        self.finished[self.feeder.index[rid]] = (row, seq.cached_tokens is not None)
+        while self.next_row in self.finished:  # rows leave in workload order
+            row, was_admitted = self.finished.pop(self.next_row)
+            self.sink(row)
+            self.tally.add(row, was_admitted)
+            self.next_row += 1
+
+    def result(self, kept: list[Row], interrupted: bool) -> SimResult:
+        if interrupted:  # the finished rows still waiting for an earlier one: keep them too
+            for i in sorted(self.finished):
+                row, was_admitted = self.finished.pop(i)
+                self.sink(row)
+                self.tally.add(row, was_admitted)
+            summary = _partial_summary(self)
+        else:
+            summary = _summary(self)
+        return SimResult(kept, summary, self.timeline, self.tally)
 
 
-def _release_ready(
-    sched: Scheduler,
-    pending: list[WorkloadRequest],
-    history: dict[str, list[int]],
-    done: set[str],
-    arrived: dict[str, float],
-    clock: float,
-    max_model_len: int | None,
-) -> list[WorkloadRequest]:
-    keep = []
-    for w in pending:
-        if w.arrival > clock or not w.dependencies() <= done:
-            keep.append(w)
-            continue
-        tokens = tokens_of(w.prompt, history)
-        if not tokens:
-            raise WorkloadError(f"request {w.request_id!r}: its prompt resolves to no tokens")
-        if max_model_len is not None and len(tokens) + w.max_tokens > max_model_len:
-            raise WorkloadError(
-                f"request {w.request_id!r}: {len(tokens)} prompt tokens + "
-                f"{w.max_tokens} max_tokens exceed max_model_len {max_model_len}"
-            )
-        sched.add(Request(w.request_id, tokens, lora=w.lora, cache_salt=w.cache_salt), w.max_tokens)
-        arrived[w.request_id] = max(clock, w.arrival)
-    return keep
-
-
-def _row(seq: Seq, arrived: dict[str, float], first_token: dict[str, float]) -> dict[str, Any]:
-    stats, rid = seq.stats, seq.request_id
-    return {
-        "id": rid,
-        "prompt_tokens": seq.prompt_len,
-        "cached_tokens": stats.cached_tokens if stats else 0,
-        "reason": stats.reason if stats else "not_admitted",
-        "output_tokens": len(seq.output),
-        "preemptions": seq.preemptions,
-        "finish_reason": seq.finish_reason,
-        "ttft_estimate_s": round(first_token[rid] - arrived[rid], 6),
-    }
-
-
-def _summary(
-    mgr: KVCacheManager,
-    rows: list[dict[str, Any]],
-    peak_usage: float,
-    clock: float,
-) -> dict[str, Any]:
+def _summary(run: _Run) -> dict[str, Any]:
+    mgr, tally = run.mgr, run.tally
     m = mgr.metrics()
-    cached = sum(r["cached_tokens"] for r in rows)
     checks = {
-        "cached_tokens_equal_hits": cached == m["prefix_cache_hits"],
-        "prompts_equal_queries": sum(
-            r["prompt_tokens"] for r in rows if r["finish_reason"] != "too_large"
-        )
-        == m["prefix_cache_queries"],
-        "every_request_finished": all(r["reason"] != "not_admitted" for r in rows)
-        and len(rows) == m["prefix_cache_requests"],
-        # a request whose prompt cannot fit even an empty pool is rejected by the scheduler
-        "every_request_fits": not any(r["finish_reason"] == "too_large" for r in rows),
+        "cached_tokens_equal_hits": tally.cached_tokens == m["prefix_cache_hits"],
+        "prompts_equal_queries": tally.admitted_prompt_tokens == m["prefix_cache_queries"],
+        "every_request_finished": tally.num_rows == len(run.workload)
+        and tally.num_admitted == m["prefix_cache_requests"],
     }
     try:
         mgr.check_invariants()
         checks["invariants"] = True
     except AssertionError:
         checks["invariants"] = False
+    capacity = mgr.config.capacity_tokens()
     return {
-        "requests": len(rows),
+        "requests": tally.num_rows,
         "queries": m["prefix_cache_queries"],
         "hits": m["prefix_cache_hits"],
         "hit_rate": m["prefix_cache_hits"] / max(1, m["prefix_cache_queries"]),
-        "preemptions": sum(r["preemptions"] for r in rows),
+        "preemptions": tally.preemptions,
         "evicted_blocks": m["kv_blocks_evicted_total"],
         "retained_blocks": m["kv_blocks_cached"],
-        "peak_usage": peak_usage,
-        "capacity_tokens": mgr.config.capacity_tokens(),
+        "peak_usage": run.peak_used / (mgr.config.num_blocks - 1),
+        "capacity_tokens": capacity,
         "index_entries": m["kv_index_entries"],
-        "simulated_seconds": round(clock, 6),
+        "simulated_seconds": round(run.clock, 6),
         "reconciliation": checks,
         "reconciled": all(checks.values()),
+        # refused because they can never fit the cache: named, not a reconciliation failure
+        "too_large": {"count": tally.num_too_large, "ids": tally.too_large},
+        "steps": run.sched.num_steps,
+        "prefill_tokens_computed": run.num_prefill,
+        "deferral_waits": run.num_deferred,  # request-steps spent waiting for a shared prefix
+    }
+
+
+def _partial_summary(run: _Run) -> dict[str, Any]:
+    """An interrupted run: what finished, without the end-of-run checks (requests in flight
+    were counted by the core but have no row)."""
+    tally = run.tally
+    return {
+        "interrupted": True,
+        "requests": tally.num_rows,
+        "requests_in_workload": len(run.workload),
+        "hits": tally.cached_tokens,
+        "preemptions": tally.preemptions,
+        "too_large": {"count": tally.num_too_large, "ids": tally.too_large},
+        "simulated_seconds": round(run.clock, 6),
+        "steps": run.sched.num_steps,
+        "reconciled": False,
     }
 
 
@@ -229,9 +274,14 @@ def without_deferral(
     workload: list[WorkloadRequest],
     cost: CostModel | None = None,
     draft_accept_rate: float = 0.7,
+    on_step: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """The same run with in-batch deferral off: what waiting for a shared prefix saved."""
     off = replace(geo, sched=replace(geo.sched, defer_shared_prefix=False))
-    s = simulate(off, workload, cost, draft_accept_rate=draft_accept_rate).summary
+    s = simulate(off, workload, cost, on_step, draft_accept_rate, sink=_discard).summary
     keys = ("prefill_tokens_computed", "hits", "hit_rate", "simulated_seconds", "steps")
     return {k: s[k] for k in keys}
+
+
+def _discard(row: Row) -> None:
+    """The comparison run's rows: only its summary is used."""

@@ -20,9 +20,10 @@ from __future__ import annotations
 import array
 import functools
 import json
+import math
 import random
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,9 @@ from kvreuse.core import TOKEN_TYPECODE
 
 FIELDS = {"id", "prompt", "max_tokens", "arrival", "after", "cache_salt", "lora"}
 VOCAB = 1 << 15  # random prompts' token ids lie in [0, VOCAB)
+# A bound on a random prompt's length and on max_tokens: 16,777,216 tokens (a 64 MB prompt)
+# is past any model's context; larger values are typos that would exhaust memory or time.
+MAX_TOKENS_PER_REQUEST = 1 << 24
 
 
 class WorkloadError(ValueError):
@@ -82,12 +86,12 @@ def _random_tokens(seed: int, length: int) -> array.array[int]:
 _HIGH_7_BITS = bytes(b & 0x7F for b in range(256))
 
 
-def resolve_prompt(prompt: Any, history: dict[str, list[int]]) -> list[int]:
+def resolve_prompt(prompt: Any, history: Mapping[str, Sequence[int]]) -> list[int]:
     """Token ids of a validated PROMPT; `history[id]` is a finished request's full tokens."""
     return tokens_of(prompt, history).tolist()
 
 
-def tokens_of(prompt: Any, history: dict[str, list[int]]) -> array.array[int]:
+def tokens_of(prompt: Any, history: Mapping[str, Sequence[int]]) -> array.array[int]:
     """`resolve_prompt` as a fresh 4-byte unsigned array: the core takes it without a
     per-token check (docs/decisions.md D14), and concatenation runs in C."""
     kind, value = next(iter(prompt.items()))
@@ -125,9 +129,11 @@ def _check_prompt(prompt: Any, where: str) -> None:
             not isinstance(value, dict)
             or set(value) != {"seed", "len"}
             or not all(type(value[k]) is int for k in ("seed", "len"))
-            or value["len"] < 0
+            or not 0 <= value["len"] <= MAX_TOKENS_PER_REQUEST
         ):
-            raise WorkloadError(f'{where}.random: {{"seed": int, "len": int ≥ 0}}')
+            raise WorkloadError(
+                f'{where}.random: {{"seed": int, "len": int in 0 … {MAX_TOKENS_PER_REQUEST:,}}}'
+            )
     elif kind == "concat":
         if not isinstance(value, list) or not value:
             raise WorkloadError(f"{where}.concat: a non-empty list of prompts")
@@ -159,11 +165,17 @@ def parse_line(obj: Any, lineno: int) -> WorkloadRequest:
         raise WorkloadError(f"{where}: field 'id' must be a non-empty string")
     _check_prompt(obj["prompt"], f"{where}: field 'prompt'")
     max_tokens = obj["max_tokens"]
-    if type(max_tokens) is not int or max_tokens < 1:
-        raise WorkloadError(f"{where}: field 'max_tokens' must be an int ≥ 1, got {max_tokens!r}")
-    arrival = obj.get("arrival", 0.0)
-    if isinstance(arrival, bool) or not isinstance(arrival, int | float) or arrival < 0:
-        raise WorkloadError(f"{where}: field 'arrival' must be seconds ≥ 0, got {arrival!r}")
+    if type(max_tokens) is not int or not 1 <= max_tokens <= MAX_TOKENS_PER_REQUEST:
+        raise WorkloadError(
+            f"{where}: field 'max_tokens' must be an int in 1 … {MAX_TOKENS_PER_REQUEST:,}, "
+            f"got {max_tokens!r}"
+        )
+    arrival = _seconds(obj.get("arrival", 0.0))
+    if arrival is None:
+        raise WorkloadError(
+            f"{where}: field 'arrival' must be a finite number of seconds ≥ 0, "
+            f"got {obj['arrival']!r}"
+        )
     after = obj.get("after")
     if after is not None and (not isinstance(after, str) or not after):
         raise WorkloadError(f"{where}: field 'after' must be a request id")
@@ -179,7 +191,19 @@ def parse_line(obj: Any, lineno: int) -> WorkloadRequest:
         ):
             raise WorkloadError(f"{where}: field 'lora' must be [name, path]")
         lora = (lora[0], lora[1])
-    return WorkloadRequest(rid, obj["prompt"], max_tokens, float(arrival), after, salt, lora)
+    return WorkloadRequest(rid, obj["prompt"], max_tokens, arrival, after, salt, lora)
+
+
+def _seconds(value: Any) -> float | None:
+    """`value` as finite seconds ≥ 0, or None (NaN and Infinity, which Python's JSON reader
+    accepts, and integers too large for a float are refused)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        seconds = float(value)
+    except OverflowError:
+        return None
+    return seconds if 0 <= seconds < math.inf else None
 
 
 def load_workload(lines: Iterable[str]) -> list[WorkloadRequest]:

@@ -1,0 +1,118 @@
+"""The workload's requests on their way into the scheduler.
+
+A request is ready once it has arrived and every request it depends on (`after`, `history`)
+has finished. Ready requests are handed to the scheduler only while its queue holds fewer than
+`max_num_seqs`, and their tokens are resolved then: a burst of 20,000 requests costs memory for
+the few hundred the scheduler can look at, not for all of them. The scheduler's decisions do not
+change: one step looks at no more than `max_num_seqs` waiting requests, and the queue always
+holds that many when there are that many ready.
+"""
+
+from __future__ import annotations
+
+import array
+import heapq
+from collections import deque
+from typing import Any
+
+from kvreuse.core import Request
+from kvreuse.sched import Scheduler, Seq
+from kvreuse.sim.workload import WorkloadError, WorkloadRequest, tokens_of
+
+
+def static_length(prompt: Any) -> int | None:
+    """The prompt's length when it quotes no history (known before the run), else None."""
+    kind, value = next(iter(prompt.items()))
+    if kind == "tokens":
+        return len(value)
+    if kind == "random":
+        return int(value["len"])
+    if kind == "concat":
+        parts = [static_length(p) for p in value]
+        return None if None in parts else sum(p for p in parts if p is not None)
+    return None
+
+
+class Feeder:
+    def __init__(self, workload: list[WorkloadRequest], max_model_len: int | None) -> None:
+        self.workload = workload
+        self.max_model_len = max_model_len
+        index = {w.request_id: i for i, w in enumerate(workload)}
+        self.index = index
+        self.missing = [0] * len(workload)  # dependencies not finished yet
+        self.dependents: dict[int, list[int]] = {}
+        self.quotes: dict[str, int] = {}  # history id -> requests that have yet to quote it
+        for i, w in enumerate(workload):
+            self._check_length(w, static_length(w.prompt))
+            deps = w.dependencies()
+            self.missing[i] = len(deps)
+            for dep in deps:
+                self.dependents.setdefault(index[dep], []).append(i)
+            for h in w.histories():
+                self.quotes[h] = self.quotes.get(h, 0) + 1
+        # (arrival, index) of requests whose dependencies have finished
+        self.timed = [(w.arrival, i) for i, w in enumerate(workload) if not self.missing[i]]
+        heapq.heapify(self.timed)
+        self.resolved_at: dict[int, float] = {}  # when the last dependency finished
+        self.ready: deque[tuple[int, float]] = deque()  # (index, ready since), workload order
+        self.history: dict[str, array.array[int]] = {}
+        self.arrived: dict[str, float] = {}  # handed-over requests: ready since (their arrival)
+        self.num_handed = 0
+
+    def _check_length(self, w: WorkloadRequest, num_tokens: int | None) -> None:
+        if num_tokens is None:
+            return
+        if num_tokens == 0:
+            raise WorkloadError(f"request {w.request_id!r}: its prompt resolves to no tokens")
+        limit = self.max_model_len
+        if limit is not None and num_tokens + w.max_tokens > limit:
+            raise WorkloadError(
+                f"request {w.request_id!r}: {num_tokens:,} prompt tokens + "
+                f"{w.max_tokens:,} max_tokens exceed max_model_len {limit:,}"
+            )
+
+    @property
+    def done(self) -> bool:
+        """Every request was handed to the scheduler."""
+        return self.num_handed == len(self.workload)
+
+    def next_arrival(self) -> float | None:
+        """When the next request whose dependencies finished arrives (None: none waits)."""
+        return self.timed[0][0] if self.timed else None
+
+    def release(self, clock: float) -> None:
+        """Move the requests that are ready at `clock` to the ready queue, in workload order."""
+        timed, now = self.timed, []
+        while timed and timed[0][0] <= clock:
+            now.append(heapq.heappop(timed)[1])
+        for i in sorted(now):
+            self.ready.append((i, max(self.workload[i].arrival, self.resolved_at.pop(i, 0.0))))
+
+    def feed(self, sched: Scheduler, limit: int) -> None:
+        """Hand ready requests to `sched` while its queue is shorter than `limit`."""
+        while self.ready and len(sched.waiting) < limit:
+            i, since = self.ready.popleft()
+            w = self.workload[i]
+            tokens = tokens_of(w.prompt, self.history)
+            for h in w.histories():  # forget a history once its last reader has it
+                self.quotes[h] -= 1
+                if not self.quotes[h]:
+                    del self.quotes[h], self.history[h]
+            self._check_length(w, len(tokens))
+            request = Request(w.request_id, tokens, lora=w.lora, cache_salt=w.cache_salt)
+            sched.add(request, w.max_tokens)
+            self.arrived[w.request_id] = since
+            self.num_handed += 1
+
+    def finished(self, seq: Seq, clock: float) -> None:
+        """`seq` finished at `clock`: keep its tokens if a later prompt quotes them, and release
+        the requests that waited for it."""
+        rid = seq.request_id
+        if self.quotes.get(rid):
+            self.history[rid] = tokens_of({"tokens": seq.request.prompt_token_ids}, {})
+            self.history[rid].extend(seq.output)
+        for j in self.dependents.pop(self.index[rid], ()):
+            self.missing[j] -= 1
+            if not self.missing[j]:
+                self.resolved_at[j] = clock
+                heapq.heappush(self.timed, (self.workload[j].arrival, j))
