@@ -418,14 +418,14 @@ class Engine:
                 num_new = rng.randint(1, len(k.tokens) - res.hit)
                 if rng.random() < 0.6:
                     num_new = len(k.tokens) - res.hit
-                before = _snapshot(mgr)
+                before = snapshot(mgr)
                 lacks = drv.lacks_state(k, res.junction)
                 plan = mgr.allocate(
                     k.rid, num_new, lookup=res, num_extra_slots=rng.choice([0, 0, 1])
                 )
                 drv.trace.append(plan)
                 if plan is None:
-                    assert _snapshot(mgr) == before, "a failed allocate changed state (T8)"
+                    assert snapshot(mgr) == before, "a failed allocate changed state (T8)"
                 else:
                     self.note_plan(plan)
                     drv.check_junction_saves(k, res, lacks)
@@ -448,10 +448,10 @@ class Engine:
                 if batch is not None:
                     batch.append((k.rid, num_new))
                     continue
-                before = _snapshot(mgr)
+                before = snapshot(mgr)
                 grown = mgr.allocate(k.rid, num_new)
                 if grown is None:
-                    assert _snapshot(mgr) == before, "a failed allocate changed state (T8)"
+                    assert snapshot(mgr) == before, "a failed allocate changed state (T8)"
                 else:
                     self.note_plan(grown)
             drv.check()
@@ -469,7 +469,7 @@ class Engine:
             counts = counts[0]  # one count for all
         got = mgr.allocate_many([rid for rid, _ in batch], counts)
         assert got == expected, (got, expected)
-        assert _snapshot(mgr) == _snapshot(twin)
+        assert snapshot(mgr) == snapshot(twin)
         for plan in got:
             if plan is not None:
                 self.note_plan(plan)
@@ -537,10 +537,10 @@ class Engine:
             n_hat = num + (1 if plan.end >= num else 0)
             start = st.scheduled
             num_new = rng.randint(1, n_hat - start) if start < n_hat - 1 else 1
-            before = _snapshot(mgr)
+            before = snapshot(mgr)
             grown = mgr.allocate(plan.request_id, num_new)
             if grown is None:
-                assert _snapshot(mgr) == before
+                assert snapshot(mgr) == before
             else:
                 self.note_plan(grown)
             drv.check()
@@ -640,15 +640,16 @@ def _plan_view(plan: Any) -> tuple:
     )
 
 
-def _snapshot(mgr: KVCacheManager) -> tuple:
-    """Everything a failed allocate must leave unchanged (T8)."""
+def snapshot(mgr: KVCacheManager) -> tuple:
+    """Everything a call that fails or is refused must leave unchanged (T8, spec §3)."""
     pool = mgr.pool
     return (
+        mgr.epoch,
         list(pool.ref),
         pool.policy.order() if hasattr(pool.policy, "order") else None,
         mgr.export_entries(),
-        mgr.epoch,
-        len(mgr.events.pending),
-        mgr.events.seq,
         dict(mgr.counters),
+        mgr.events.seq,
+        len(mgr.events.pending),
+        sorted(mgr.requests),
     )

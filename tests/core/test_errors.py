@@ -6,6 +6,7 @@ from array import array
 
 import pytest
 
+from harness import snapshot
 from kvreuse import (
     CacheConfig,
     GroupSpec,
@@ -26,18 +27,6 @@ GEO_H = CacheConfig(
 @pytest.fixture
 def mgr() -> KVCacheManager:
     return KVCacheManager(GEO_H)
-
-
-def state(m: KVCacheManager) -> tuple:
-    return (
-        m.epoch,
-        list(m.pool.ref),
-        m.pool.policy.order(),
-        m.export_entries(),
-        dict(m.counters),
-        m.events.seq,
-        sorted(m.requests),
-    )
 
 
 @pytest.mark.parametrize(
@@ -61,10 +50,10 @@ def state(m: KVCacheManager) -> tuple:
     ],
 )
 def test_bad_requests(mgr: KVCacheManager, request_: Request, exc: type, fragment: str) -> None:
-    before = state(mgr)
+    before = snapshot(mgr)
     with pytest.raises(exc, match=fragment):
         mgr.add_request(request_)
-    assert state(mgr) == before
+    assert snapshot(mgr) == before
 
 
 @pytest.mark.parametrize("code", ["B", "H", "I"])
@@ -119,10 +108,10 @@ def test_duplicate_and_unknown_requests(mgr: KVCacheManager) -> None:
 def test_bad_admission_counts(mgr: KVCacheManager, num_new, extra, fragment: str) -> None:
     mgr.add_request(Request("a", list(range(40))))
     res = mgr.lookup("a")
-    before = state(mgr)
+    before = snapshot(mgr)
     with pytest.raises(ValueError, match=fragment):
         mgr.allocate("a", num_new, lookup=res, num_extra_slots=extra)
-    assert state(mgr) == before
+    assert snapshot(mgr) == before
 
 
 def test_admission_rules(mgr: KVCacheManager) -> None:
@@ -153,7 +142,7 @@ def test_commit_validation(mgr: KVCacheManager) -> None:
     mgr.add_request(Request("a", list(range(40))))
     mgr.allocate("a", 40, lookup=mgr.lookup("a"))
     step = mgr.seal_step()
-    before = state(mgr)
+    before = snapshot(mgr)
     cases = [
         ({}, "no outcome for"),
         ({"a": (40, [1]), "b": (1, [])}, "not in this step"),
@@ -167,7 +156,7 @@ def test_commit_validation(mgr: KVCacheManager) -> None:
     for outcomes, fragment in cases:
         with pytest.raises(ValueError, match=fragment):
             mgr.commit(step.step_id, outcomes)
-        assert state(mgr) == before
+        assert snapshot(mgr) == before
     mgr.commit(step.step_id, {"a": (40, [1])})
     with pytest.raises(ValueError, match="already committed"):
         mgr.commit(step.step_id, {"a": (40, [1])})
@@ -182,15 +171,15 @@ def test_steps_settle_in_order(mgr: KVCacheManager) -> None:
     s1 = mgr.seal_step()
     mgr.allocate("b", 40, lookup=mgr.lookup("b"))
     s2 = mgr.seal_step()
-    before = state(mgr)
+    before = snapshot(mgr)
     with pytest.raises(ValueError, match=f"out of order; settle step {s1.step_id} first"):
         mgr.commit(s2.step_id, {"b": (40, [1])})
     with pytest.raises(ValueError, match="out of order"):
         mgr.discard(s2.step_id)
-    assert state(mgr) == before
+    assert snapshot(mgr) == before
     empty = mgr.seal_step()
     mgr.commit(empty.step_id, {})  # an empty step needs no commit; committing it does nothing
-    assert state(mgr) == before
+    assert snapshot(mgr) == before
     mgr.commit(s1.step_id, {"a": (20, [])})
     mgr.commit(s2.step_id, {"b": (40, [1])})
     mgr.check_invariants()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from harness import snapshot
 from kvreuse import CacheConfig, GroupSpec, KVCacheManager, MultiModalItem, Request
 
 GEO = CacheConfig(
@@ -13,18 +14,6 @@ GEO = CacheConfig(
     dcp_size=4,
     groups=[GroupSpec(kind="full", block_size=16), GroupSpec(kind="recurrent", block_size=16)],
 )
-
-
-def snapshot(m: KVCacheManager) -> tuple:
-    return (
-        m.epoch,
-        list(m.pool.ref),
-        m.pool.policy.order(),
-        m.export_entries(),
-        dict(m.counters),
-        m.events.seq,
-        sorted(m.requests),
-    )
 
 
 def run_to_end(m: KVCacheManager, req: Request) -> None:

@@ -18,43 +18,22 @@ import kvreuse
 
 SRC = Path(kvreuse.__file__).parent
 
+# The layers, bottom up: a package may import the packages of every layer below its own.
+LAYERS: list[set[str]] = [
+    {"core"},
+    {"oracle", "tokenizer", "sched", "events"},
+    {"deployment"},
+    {"sim", "engine"},
+    {"serve"},
+    {"qualify"},
+    {"cli"},
+]
 # Package (a top-level module or folder of src/kvreuse) -> the packages it may import.
 ALLOWED: dict[str, set[str]] = {
-    "core": set(),
-    "oracle": {"core"},
-    "tokenizer": {"core"},
-    "sched": {"core"},
-    "events": {"core"},
-    "deployment": {"core", "oracle", "tokenizer", "sched", "events"},
-    "sim": {"core", "oracle", "tokenizer", "sched", "events", "deployment"},
-    "engine": {"core", "oracle", "tokenizer", "sched", "events", "deployment"},
-    "serve": {"core", "oracle", "tokenizer", "sched", "events", "deployment", "sim", "engine"},
-    "qualify": {
-        "core",
-        "oracle",
-        "tokenizer",
-        "sched",
-        "events",
-        "deployment",
-        "sim",
-        "engine",
-        "serve",
-    },
-    "cli": {
-        "core",
-        "oracle",
-        "tokenizer",
-        "sched",
-        "events",
-        "deployment",
-        "sim",
-        "engine",
-        "serve",
-        "qualify",
-    },
-    "__main__": {"cli"},
-    "kvreuse": {"core", "engine"},  # the facade: re-exports the core, loads LLM on first use
+    pkg: set().union(*LAYERS[:depth]) for depth, layer in enumerate(LAYERS) for pkg in layer
 }
+ALLOWED["__main__"] = {"cli"}
+ALLOWED["kvreuse"] = {"core", "engine"}  # the facade: re-exports the core, loads LLM on first use
 
 
 def _modules() -> Iterator[tuple[str, str, ast.Module]]:
