@@ -230,8 +230,8 @@ def _pop_saves(
 ) -> list[PlannedSave]:
     """Pop a block per save of the step, best effort: a save the pool cannot serve is skipped
     (counted), never a reason to refuse the step."""
-    if not geo.caching_enabled or is_quiet_decode(geo, req, start, end):
-        return []
+    if not geo.caching_enabled:
+        return []  # (growth checks is_quiet_decode before calling)
     out: list[PlannedSave] = []
     for g in geo.recurrent:
         gid = g.group_id

@@ -95,11 +95,6 @@ class StepLedger:
         self._seen = 0  # plans the union includes
 
     # ------------------------------------------------------------------ reading
-    @property
-    def busy(self) -> bool:
-        """Whether any plan is open or sealed."""
-        return bool(self._open or self._sealed)
-
     def records(self) -> list[PlanRecord]:
         """Every open and sealed record, withdrawn ones included."""
         return [*self._open, *itertools.chain.from_iterable(self._sealed.values())]

@@ -44,17 +44,16 @@ def replay_point(geo: Geometry, prompt_len: int) -> int:
 
 
 def finish_point(geo: Geometry, num_units: int, committed: int) -> int:
-    """φ(T): the state a request publishes when it finishes after T committed tokens."""
-    u = geo.hash_unit
-    phi = min(committed // u, num_units) * u
-    return phi - u if geo.spec_mode == "drop" else phi
+    """φ(T): the state a request publishes when it finishes after T committed tokens (the end
+    of its last full unit, one unit earlier in drop mode): the low end of `rolling_range`."""
+    return rolling_range(geo, num_units, committed)[0]
 
 
 def rolling_range(geo: Geometry, num_units: int, committed: int) -> tuple[int, int]:
     """[φ(T), ⌊T/u⌋·u]: the positions whose rolling states a request keeps after a commit."""
     u = geo.hash_unit
     top = committed // u
-    # finish_point, inlined (without a min() call): this runs on every decode commit
+    # without a min() call: this runs on every decode commit of a hybrid
     phi = (top if top <= num_units else num_units) * u
     return (phi - u if geo.spec_mode == "drop" else phi), top * u
 
