@@ -69,25 +69,25 @@ def test_save_policies_report_the_end_or_everything_up_to_it() -> None:
     at_end = ScriptedEngine(PositionalTokens(), saves="at_end")
     up_to = ScriptedEngine(PositionalTokens(), saves="up_to_end")
     step = _step("r", 0, 32, saves=[16, 32])  # a prefill chunk ending at 32
-    assert at_end(step, {"r": seq})["r"] == (32, [], [32])
-    assert up_to(step, {"r": seq})["r"] == (32, [], [16, 32])
+    assert at_end(step, {"r": seq})[0] == (32, [], [32])
+    assert up_to(step, {"r": seq})[0] == (32, [], [16, 32])
     assert at_end.num_forward_tokens == up_to.num_forward_tokens == 32
 
 
 def test_drafts_are_all_rejected_at_rate_zero() -> None:
     seq = _seq("r", list(range(10)))
     engine = ScriptedEngine(PositionalTokens(), accept_rate=0.0)
-    t_new, new, _ = engine(_step("r", 9, 4), {"r": seq})["r"]  # one token + 3 drafts
+    t_new, new, _ = engine(_step("r", 9, 4), {"r": seq})[0]  # one token + 3 drafts
     assert (t_new, new) == (10, [token_at("r", 10)])
 
 
 def test_fake_engine_accepts_a_seeded_prefix_of_the_drafts() -> None:
     seq = _seq("r", list(range(10)))
     step = _step("r", 9, 4)  # one token + 3 drafts
-    t_new, new, _ = FakeEngine(accept_rate=1.0)(step, {"r": seq})["r"]
+    t_new, new, _ = FakeEngine(accept_rate=1.0)(step, {"r": seq})[0]
     assert t_new == 13 and new == [token_at("r", p) for p in range(10, 14)]
-    runs = [FakeEngine(accept_rate=0.5, seed=s)(step, {"r": seq})["r"] for s in range(20)]
-    assert runs == [FakeEngine(accept_rate=0.5, seed=s)(step, {"r": seq})["r"] for s in range(20)]
+    runs = [FakeEngine(accept_rate=0.5, seed=s)(step, {"r": seq})[0] for s in range(20)]
+    assert runs == [FakeEngine(accept_rate=0.5, seed=s)(step, {"r": seq})[0] for s in range(20)]
     assert len({t for t, _, _ in runs}) > 1  # the seed decides how many are accepted
 
 
@@ -96,14 +96,13 @@ def test_replay_tokens_replay_the_recorded_output() -> None:
     script.outputs["r"] = [7, 8, 9]
     engine = ScriptedEngine(script, saves="up_to_end")
     seq = _seq("r", [1, 2, 3], [7])
-    assert engine(_step("r", 3, 1), {"r": seq})["r"] == (4, [8], [])
+    assert engine(_step("r", 3, 1), {"r": seq})[0] == (4, [8], [])
 
 
 def test_content_tokens_after_accepted_drafts_see_the_drafts() -> None:
     seq = _seq("r", [1, 2, 3])
-    t_new, new, _ = ScriptedEngine(ContentTokens(), accept_rate=1.0)(_step("r", 2, 3), {"r": seq})[
-        "r"
-    ]
+    engine = ScriptedEngine(ContentTokens(), accept_rate=1.0)
+    ((t_new, new, _),) = engine(_step("r", 2, 3), {"r": seq})
     assert t_new == 5
     assert new[1] == _old_content_token([1, 2, 3, new[0]])
 

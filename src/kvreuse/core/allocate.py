@@ -222,7 +222,14 @@ def grow(
         [],
         [Save(s.gid, s.position, s.block_id) for s in saves] if saves else [],
     )
-    return PlanRecord(req, plan, saves, [], start, end)
+    record = PlanRecord(req, plan, saves, [], start, end)
+    u = geo.hash_unit
+    # the keys it would publish lie in (⌊T/u⌋·u, E]: none when no boundary is crossed and T is
+    # where this plan starts (nothing else of the request in flight)
+    record.quiet = (
+        not saves and start // u == end // u and start == req.committed and not req.inflight
+    )
+    return record
 
 
 def _pop_saves(

@@ -103,9 +103,10 @@ def apply_commit(
     req = rec.req
     t_new, tokens, _ = outcome
     u = geo.hash_unit
+    num_units = req.chain.num_units
     if tokens:
         req.tokens.extend(tokens)
-        if len(req.tokens) - geo.lookahead >= (req.chain.num_units + 1) * u:  # a unit completed
+        if len(req.tokens) - geo.lookahead >= (num_units + 1) * u:  # a unit completed
             req.chain.extend(req.tokens)
     release: list[int] = []
     for c in rec.copies:  # 2. pending copy references (dst keeps its table reference)
@@ -114,6 +115,10 @@ def apply_commit(
     by_group: dict[int, list[PlannedSave]] = {}
     for s in rec.saves:  # most decode commits settle no save
         by_group.setdefault(s.gid, []).append(s)
+    # The held rolling states are kept in rolling_range(units, ⌊T′/u⌋): with no save to add
+    # one, the same units and T′ in the unit of the last commit, they are still the right ones
+    # (most decode commits of a hybrid).
+    same_range = not by_group and nu == num_units * u and t_new // u == req.committed // u
     # Each step below is skipped, with the same result, when it has nothing to do: most
     # decode commits publish nothing, free nothing and settle no save.
     for g in geo.groups:
@@ -123,7 +128,7 @@ def apply_commit(
                 _publish_attention(geo, pool, req, gid, min(t_new, nu))
             if g.kind != "full":
                 _window_free(geo, req, gid, t_new, release)
-        else:
+        elif not same_range:
             if gid in by_group:
                 _settle_saves(geo, pool, counters, req, by_group[gid], outcome, release)
             if req.recurrent[gid].held:

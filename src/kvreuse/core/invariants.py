@@ -26,7 +26,7 @@ def audit(
     geo: Geometry, pool: BlockPool, requests: Collection[RequestState], ledger: StepLedger
 ) -> None:
     """Recount every reference and key from the requests, the ledger and the pool; raise
-    InvariantError naming the first broken invariant (I1–I13)."""
+    InvariantError naming the first broken invariant (I1–I14)."""
     n = pool.num_blocks
     refs: Counter[int] = Counter()
     holders: dict[int, set[int]] = {}  # block -> groups of the tables holding it
@@ -182,3 +182,8 @@ def _check_requests(geo: Geometry, pool: BlockPool, requests: Collection[Request
             for c in slots.held:
                 if not lo <= c <= hi:
                     _fail("I11", f"{st.request_id} holds a state at {c} outside [{lo}, {hi}]")
+        u = geo.hash_unit
+        for gid, planned in st.planned.items():
+            for c in planned:
+                if c <= 0 or c % u:  # is_quiet_decode relies on it
+                    _fail("I14", f"{st.request_id} plans a state of group {gid} at {c}")

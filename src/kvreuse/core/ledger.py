@@ -59,6 +59,10 @@ class PlanRecord:
     withdrawn: bool = False
     keys: list[tuple[int, bytes]] | None = None  # pending keys, valid while `keys_at` holds
     keys_at: tuple[int, int] = (-1, -1)  # (req.committed, req.chain.num_units) when computed
+    # Known at allocation to publish nothing: no save, no unit boundary in (start, end], and no
+    # other step of its request in flight to move T or the chain before it commits (most
+    # decode plans). The pending-key union skips it without computing its keys.
+    quiet: bool = False
 
 
 MAX_SETTLED = 4096  # fates remembered, so a late commit of a settled step names its fate
@@ -218,7 +222,7 @@ class StepLedger:
         keys = self._keys
         for rec in recs:
             req = rec.req
-            if rec.withdrawn or req.deferred is not None:
+            if rec.quiet or rec.withdrawn or req.deferred is not None:
                 continue
             # A record's keys change only when its request commits (T, processed, the chain
             # and window frees move together), so they are cached per (T, units).

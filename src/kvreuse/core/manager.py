@@ -192,14 +192,20 @@ class KVCacheManager:
         return rec.plan
 
     def allocate_many(
-        self, request_ids: Sequence[str], num_new_tokens: int | Sequence[int] = 1
+        self,
+        request_ids: Sequence[str],
+        num_new_tokens: int | Sequence[int] = 1,
+        *,
+        stop_when_full: bool = False,
     ) -> list[RequestPlan | None]:
         """Grow running requests in one call: the same as `[allocate(rid, n) for ...]`.
 
         Each item is atomic: None means that request did not fit and nothing of it changed;
-        later items are still tried. `num_new_tokens` is one count for all (a decode step: one
-        token plus the drafts to verify) or one per request. Only running requests grow this way
-        (an admission needs its lookup); a call that breaks a rule raises, as `allocate` does,
+        later items are still tried, unless `stop_when_full`: then the list ends before the
+        first request that did not fit (a scheduler that preempts on a full pool continues
+        from there). `num_new_tokens` is one count for all (a decode step: one token plus the
+        drafts to verify) or one per request. Only running requests grow this way (an
+        admission needs its lookup); a call that breaks a rule raises, as `allocate` does,
         with the items before it done.
         """
         ids = list(request_ids)
@@ -223,6 +229,8 @@ class KVCacheManager:
             st = check(rid, n, None, 0)  # allocate's own checks: the same errors
             rec = grow(geo, pool, counters, st, n, 0, pool.num_free)
             if rec is None:
+                if stop_when_full:
+                    break
                 out.append(None)
                 continue
             add(rec)

@@ -87,13 +87,14 @@ class ModelRunner:
         self._gens: dict[str, torch.Generator] = {}
         self._drafts: dict[str, _DraftState] = {}
 
-    def __call__(self, step: StepPlan, seqs: Mapping[str, Any]) -> dict[str, tuple[Any, ...]]:
+    def __call__(self, step: StepPlan, seqs: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+        """Run the step; one outcome per plan, in the step's order (what `commit_batch` takes)."""
         for rid in [r for r in self._gens if r not in seqs or seqs[r].finished]:
             self._gens.pop(rid, None)
             self._drafts.pop(rid, None)
         for c in step.copies:  # E1: all copies before any write of the step
             self.cache.copy(c)
-        return {plan.request_id: self._run(plan, seqs[plan.request_id]) for plan in step.requests}
+        return [self._run(plan, seqs[plan.request_id]) for plan in step.requests]
 
     def _run(self, plan: RequestPlan, seq: Any) -> tuple[int, list[int], list[int]]:
         rid = plan.request_id

@@ -114,8 +114,9 @@ class ScriptedEngine:
         self.seed = seed
         self.num_forward_tokens = 0
 
-    def __call__(self, step: StepPlan, seqs: Mapping[str, Seq]) -> dict[str, tuple[Any, ...]]:
-        out: dict[str, tuple[Any, ...]] = {}
+    def __call__(self, step: StepPlan, seqs: Mapping[str, Seq]) -> list[tuple[Any, ...]]:
+        """One outcome per plan, in the step's order (what `commit_batch` takes)."""
+        out: list[tuple[Any, ...]] = []
         tokens, at_end = self.tokens, self.saves == "at_end"
         for plan in step.requests:
             rid = plan.request_id
@@ -138,7 +139,7 @@ class ScriptedEngine:
                 saved = [s.position for s in plan.saves if s.position == t_new]
             else:
                 saved = [s.position for s in plan.saves if s.position <= t_new]
-            out[rid] = (t_new, new, saved)
+            out.append((t_new, new, saved))
         return out
 
     def _accepted(self, rid: str, num: int, drafts: int) -> int:

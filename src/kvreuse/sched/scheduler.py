@@ -7,8 +7,9 @@ One `step()` reads as its table of contents:
     seal the step → run the engine → commit the outcomes
     finish requests that reached max_tokens or a stop token
 
-It drives the core only through its public operations (spec §3): lookup, allocate,
-next_save_position, seal_step, commit, finish, preempt. The engine is any callable that turns a
+It drives the core only through its public operations (spec §3): lookup, allocate (and
+allocate_many, which grows every decoding request of a step in one call), next_save_position,
+seal_step, commit_batch (or commit), finish, preempt. The engine is any callable that turns a
 `StepPlan` into the core's outcomes: `kvreuse.engine.ModelRunner` runs a model, and
 `ScriptedEngine` (in `kvreuse.sched.engine`) emits deterministic tokens for simulation and tests.
 """
@@ -16,7 +17,7 @@ next_save_position, seal_step, commit, finish, preempt. The engine is any callab
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,7 +85,10 @@ class Seq:
         self.request_id = self.request.request_id
 
 
-Engine = Callable[[StepPlan, Mapping[str, "Seq"]], dict[str, tuple[Any, ...]]]
+# The engine runs a sealed step and returns one outcome per `StepPlan.requests` entry, in that
+# order (the core's `commit_batch`); a mapping from request id to outcome is accepted too.
+Outcomes = Sequence[tuple[Any, ...]] | Mapping[str, tuple[Any, ...]]
+Engine = Callable[[StepPlan, Mapping[str, "Seq"]], Outcomes]
 
 
 @dataclass(slots=True)
@@ -184,7 +188,11 @@ class Scheduler:
         stats.step_id = step.step_id
         if step.requests:
             outcomes = self.engine(step, self.seqs)
-            self.mgr.commit(step.step_id, outcomes)
+            if isinstance(outcomes, Mapping):
+                self.mgr.commit(step.step_id, outcomes)
+                outcomes = [outcomes[p.request_id] for p in step.requests]
+            else:
+                self.mgr.commit_batch(step.step_id, outcomes)
             self._apply(step, outcomes)
         self._finish_done(stats)
         self.num_steps += 1
@@ -193,30 +201,60 @@ class Scheduler:
     # ------------------------------------------------------------------ parts of a step
     def _grow_running(self, stats: StepStats, budget: int) -> int:
         """Decode first (latency), then prefill chunks; preempt the newest on OOM."""
-        decode = 1 + self.config.num_spec_tokens
-        allocate = self.mgr.allocate
-        for seq in sorted(self.running, key=lambda s: s.scheduled < s.num_tokens - 1):
+        is_decode = [s.scheduled >= s.num_tokens - 1 for s in self.running]
+        decoders = [s for s, d in zip(self.running, is_decode, strict=True) if d]
+        prefilling = [s for s, d in zip(self.running, is_decode, strict=True) if not d]
+        budget = self._grow_decoders(stats, decoders, budget)
+        for seq in prefilling:
             if budget <= 0 or not seq.running:  # preempted earlier in this step
                 continue
-            if seq.scheduled >= seq.num_tokens - 1:
-                num_new = decode  # one token plus the drafts to verify
-            else:
-                num_new = self._num_new(seq, seq.scheduled, budget)
-            if num_new > budget:
-                continue  # a decode step with its drafts does not fit this step's budget
-            while allocate(seq.request_id, num_new) is None:
-                victim = self.running[-1]
-                self._preempt(victim, stats)
-                if victim is seq:
-                    if not self.running:  # it had the whole pool and still did not fit
-                        self.waiting.popleft()  # where _preempt put it
-                        self._reject(seq, stats)
-                    break
-            else:
-                self._count(stats, seq, seq.scheduled, num_new)
-                seq.scheduled += num_new
+            num_new = self._num_new(seq, seq.scheduled, budget)
+            if self._grow(seq, num_new, stats):
                 budget -= num_new
         return budget
+
+    def _grow_decoders(self, stats: StepStats, decoders: list[Seq], budget: int) -> int:
+        """One token plus the drafts to verify for each decoding request, in order, while the
+        budget lasts: grown with one `allocate_many` call up to the first that does not fit,
+        which preempts as `_grow` does before the rest go on."""
+        decode = 1 + self.config.num_spec_tokens
+        i = 0
+        while i < len(decoders) and budget >= decode:
+            batch: list[Seq] = []
+            first, room = i, budget // decode
+            while i < len(decoders) and len(batch) < room:
+                seq = decoders[i]
+                i += 1
+                if seq.running:  # else preempted earlier in this step
+                    batch.append(seq)
+            plans = self.mgr.allocate_many(
+                [s.request_id for s in batch], decode, stop_when_full=True
+            )
+            for seq in batch[: len(plans)]:
+                self._count(stats, seq, seq.scheduled, decode)
+                seq.scheduled += decode
+            budget -= decode * len(plans)
+            if len(plans) < len(batch):  # the pool is full: preempt for this one
+                seq = batch[len(plans)]
+                i = decoders.index(seq, first) + 1  # the rest form the next batch
+                if self._grow(seq, decode, stats):
+                    budget -= decode
+        return budget
+
+    def _grow(self, seq: Seq, num_new: int, stats: StepStats) -> bool:
+        """Grow `seq` by `num_new`, preempting the newest running request until it fits; False
+        when `seq` itself was preempted (or, alone in the batch, rejected)."""
+        while self.mgr.allocate(seq.request_id, num_new) is None:
+            victim = self.running[-1]
+            self._preempt(victim, stats)
+            if victim is seq:
+                if not self.running:  # it had the whole pool and still did not fit
+                    self.waiting.popleft()  # where _preempt put it
+                    self._reject(seq, stats)
+                return False
+        self._count(stats, seq, seq.scheduled, num_new)
+        seq.scheduled += num_new
+        return True
 
     def _admit_waiting(self, stats: StepStats, budget: int) -> None:
         waiting = self.waiting
@@ -297,11 +335,10 @@ class Scheduler:
         seq.finished, seq.finish_reason = True, "too_large"
         stats.rejected.append(seq.request_id)
 
-    def _apply(self, step: StepPlan, outcomes: Mapping[str, tuple[Any, ...]]) -> None:
+    def _apply(self, step: StepPlan, outcomes: Sequence[tuple[Any, ...]]) -> None:
         seqs = self.seqs
-        for plan in step.requests:
+        for plan, outcome in zip(step.requests, outcomes, strict=True):
             seq = seqs[plan.request_id]
-            outcome = outcomes[plan.request_id]
             t_new, new_tokens = outcome[0], outcome[1]
             seq.scheduled = t_new  # rejected drafts are scheduled again
             if not new_tokens:
