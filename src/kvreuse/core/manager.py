@@ -113,20 +113,7 @@ class KVCacheManager:
         self, req_id: str, num_new_tokens: int, lookup: LookupResult | None, num_extra_slots: int
     ) -> RequestState:
         st = self._get(req_id, "allocate")
-        if (  # the common growth (decode, next prefill chunk): provably valid, checked inline
-            lookup is None
-            and type(num_new_tokens) is int
-            and num_extra_slots == 0
-            and st.phase is Phase.RUNNING
-            and st.open_plan is None
-            and st.deferred is None
-            and not st.inflight
-            and num_new_tokens > 0
-            and (
-                st.scheduled == len(st.tokens) - 1  # decode (plus drafts)
-                or st.scheduled + num_new_tokens <= len(st.tokens)  # prefill within N
-            )
-        ):
+        if lookup is None and num_extra_slots == 0 and _plain_growth(st, num_new_tokens):
             return st
         check_allocate(
             st,
@@ -225,8 +212,11 @@ class KVCacheManager:
             self.ledger.add,
         )
         out: list[RequestPlan | None] = []
+        requests = self.requests
         for rid, n in zip(ids, counts, strict=True):
-            st = check(rid, n, None, 0)  # allocate's own checks: the same errors
+            st = requests.get(rid)
+            if st is None or not _plain_growth(st, n):
+                st = check(rid, n, None, 0)  # allocate's own checks: the same errors
             rec = grow(geo, pool, counters, st, n, 0, pool.num_free)
             if rec is None:
                 if stop_when_full:
@@ -410,3 +400,20 @@ class KVCacheManager:
     def replay_point(self, prompt_len: int) -> int:
         """ρ(P) of this geometry (spec §8): the hit of an identical resend."""
         return replay_point(self.geo, prompt_len)
+
+
+def _plain_growth(st: RequestState, num_new_tokens: int) -> bool:
+    """The common growth (a decode step, the next prefill chunk), valid by these facts alone:
+    `allocate` runs its full checks only when this is false."""
+    return (
+        type(num_new_tokens) is int
+        and st.phase is Phase.RUNNING
+        and st.open_plan is None
+        and st.deferred is None
+        and not st.inflight
+        and num_new_tokens > 0
+        and (
+            st.scheduled == len(st.tokens) - 1  # decode (plus drafts)
+            or st.scheduled + num_new_tokens <= len(st.tokens)  # prefill within N
+        )
+    )

@@ -230,9 +230,13 @@ class Scheduler:
             plans = self.mgr.allocate_many(
                 [s.request_id for s in batch], decode, stop_when_full=True
             )
-            for seq in batch[: len(plans)]:
-                self._count(stats, seq, seq.scheduled, decode)
+            for seq in batch[: len(plans)]:  # _count, inlined: a decode step of each
                 seq.scheduled += decode
+                if seq.output:
+                    stats.num_decode_tokens += decode
+                else:  # the last prompt token of a warm hit: prefill (see _count)
+                    stats.num_prefill_tokens += decode
+            stats.num_scheduled_tokens += decode * len(plans)
             budget -= decode * len(plans)
             if len(plans) < len(batch):  # the pool is full: preempt for this one
                 seq = batch[len(plans)]
