@@ -106,10 +106,13 @@ def _serve_option_error(args: argparse.Namespace) -> str | None:
             return f"{flag} must be a number of seconds > 0, got {num}"
     if args.admin_token is not None and not args.admin_token.strip():
         return "--admin-token must not be empty"
-    return None
+    from kvreuse.events.options import option_error
+
+    return option_error(args)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from kvreuse.events.options import describe, open_publisher
     from kvreuse.serve.backend import default_backend, fake_backend
     from kvreuse.serve.server import bind, run_server
 
@@ -119,18 +122,22 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"kvreuse serve: {problem}", file=sys.stderr)
         return 2
+    sockets: list = []  # closed again if anything below fails
     try:
-        sockets = [bind(args.host, args.port)]
+        sockets.append(bind(args.host, args.port))
         if args.metrics_port is not None:
             sockets.append(bind(args.metrics_host or args.host, args.metrics_port))
         if args.fake:
             backend = fake_backend(args.geometry, num_blocks=args.num_blocks)
         else:
             backend = default_backend(args.model, args.geometry, args.num_blocks)
+        kv_events = open_publisher(args, backend.mgr.geo)
     except (RuntimeError, ValueError, OSError) as exc:
         where = f" ({exc.strerror})" if isinstance(exc, OSError) and exc.strerror else ""
         text = f"cannot listen on {args.host}:{args.port}{where}" if where else str(exc)
         print(f"kvreuse serve: {text}", file=sys.stderr)
+        for sock in sockets:
+            sock.close()
         return 2
     from kvreuse.serve.app import create_app
 
@@ -143,6 +150,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         stream_stall_timeout=args.stream_stall_timeout,
         admin_token=args.admin_token,
         metrics_port=ports[1] if len(ports) > 1 else None,
+        kv_events=kv_events,
     )
     for note in backend.notes:
         print(f"kvreuse serve: {note}", file=sys.stderr)
@@ -154,6 +162,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(
             f"kvreuse serve: metrics on http://{metrics_host}:{ports[1]}/metrics", file=sys.stderr
         )
+    if kv_events is not None:
+        print(f"kvreuse serve: {describe(kv_events)}", file=sys.stderr)
     return run_server(app, sockets, args.drain_timeout)
 
 
@@ -205,6 +215,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="serve /metrics on this port only (default: on the API port)",
     )
+    from kvreuse.events.options import add_arguments as add_kv_events
+
+    add_kv_events(p)
     p.set_defaults(func=_cmd_serve)
 
 

@@ -28,7 +28,6 @@ def replay_workload(replica: Replica, sub: Subscriber, prompts: list[list[int]])
         hits.append(cached)
     sync(sub, "r", replica.pub)
     assert sub.stream("r").exact
-    assert replica.pub.unknown_parents == 0
     return hits
 
 
@@ -86,7 +85,7 @@ def test_random_histories_keep_the_mirror_exact(seed: int) -> None:
                 assert predicted.hit == replica.run(f"q{i}", tokens, decode=rng.randrange(0, 9))
             sync(sub, "r", replica.pub)
             assert entries_by_group(replica) == mirror_by_group(replica, mirror)
-            assert sub.stream("r").exact and replica.pub.unknown_parents == 0
+            assert sub.stream("r").exact
         finally:
             replica.close()
 

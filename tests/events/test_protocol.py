@@ -9,7 +9,9 @@ import pytest
 import zmq
 from replica import GEOMETRIES, Replica, shared_prefix, tcp
 
-from kvreuse.core import Request
+from kvreuse.core import KVCacheManager, Request
+from kvreuse.events import Converter, hash64
+from kvreuse.events.wire import BlockStored
 
 CTX = zmq.Context.instance()
 MASK = (1 << 64) - 1
@@ -188,3 +190,41 @@ def test_ranks_offset_endpoints_as_vllm_does() -> None:
         offset_endpoint("udp://x:1", 1)
     with pytest.raises(ValueError, match="data_parallel_rank must be an int"):
         Replica(GEOMETRIES["attention"], data_parallel_rank=-1)
+
+
+def test_every_piece_names_the_unit_before_it_as_parent_salted_chains_included() -> None:
+    """Runs that start inside a page (decode steps publishing units of a page an earlier commit
+    began) on a DCP page of 16 units, for two requests with the same tokens and different
+    salts, interleaved: every piece's parent is the chain hash of the unit just before it."""
+    cfg = GEOMETRIES["dcp4-hybrid"]
+    mgr = KVCacheManager(cfg)
+    conv = Converter(cfg.geometry)
+    tokens = list(range(1, 21))
+    salts = {"a": "salt-1", "b": "salt-2"}
+    outputs: dict[str, list[int]] = {rid: [5] for rid in salts}
+    for rid, salt in salts.items():
+        mgr.add_request(Request(rid, tokens, cache_salt=salt))
+        res = mgr.lookup(rid)
+        assert mgr.allocate(rid, len(tokens) - res.hit, lookup=res) is not None
+        step = mgr.seal_step()
+        mgr.commit(step.step_id, {rid: (len(tokens), [5])})
+    pieces: list[BlockStored] = []
+    for i in range(30):  # one commit per decoded token and request: runs inside the page
+        for rid in salts:
+            assert mgr.allocate(rid, 1) is not None
+            step = mgr.seal_step()
+            mgr.commit(step.step_id, {rid: (len(tokens) + 1 + i, [6 + i % 5])})
+            outputs[rid].append(6 + i % 5)
+            pieces += [e for e in conv.convert(mgr.take_events()) if isinstance(e, BlockStored)]
+    chains: dict[int, list[bytes]] = {}  # hash64 of a block → its request's whole chain
+    for rid, salt in salts.items():
+        chain = mgr.hasher.hash_units(tokens + outputs[rid], cache_salt=salt)
+        chains.update((hash64(h), chain) for h in chain[1:])
+    inside = 0
+    for piece in pieces:
+        chain = chains[piece.block_hashes[0]]
+        k = next(i for i, h in enumerate(chain) if hash64(h) == piece.block_hashes[0])
+        want = None if k == 1 else hash64(chain[k - 1])
+        assert piece.parent_block_hash == want, (piece.group_idx, k)
+        inside += k % 16 != 1
+    assert inside >= 8  # pieces that start inside their page, where the parent is not in it

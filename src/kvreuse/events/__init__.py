@@ -2,19 +2,47 @@
 
     wire         msgspec structs of vLLM 0.33.0's batches and events (map and legacy forms)
     convert      core events → wire events: every group, `block_size` = the hash unit
+    routable     the attention group as an attention-only router should see it
     publisher    PUB stream, ROUTER replay, bounded buffer and queue, one background thread
     mirror       a replica's entries per group from its events; an `IndexView` for the core
     subscriber   follows several replicas, repairs gaps through replay, keeps their mirrors
+    options      `kvreuse serve`'s --kv-events-* flags and their checks
+    common       mode names and the endpoint check they share (no pyzmq, no msgspec)
 
-Needs pyzmq and msgspec (`pip install -e '.[events]'`). It sits above the core and imports only
-names `kvreuse.core` exports.
+Needs pyzmq and msgspec (`pip install -e '.[events]'`), loaded on first use of a name that
+needs them, so that `kvreuse.events.options` (and the command line) works without them. It
+sits above the core and imports only names `kvreuse.core` exports.
 """
 
-from kvreuse.events.convert import MODES, Converter, attention_group
-from kvreuse.events.mirror import HashChain, ReplicaMirror, TruncatedIndex
-from kvreuse.events.publisher import Publisher, is_bind_endpoint
-from kvreuse.events.subscriber import ReplicaStream, Subscriber
-from kvreuse.events.wire import EventBatch, decode_batch, encode_batch, hash64
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from kvreuse.events.common import MODES
+
+if TYPE_CHECKING:
+    from kvreuse.events.convert import Converter, attention_group
+    from kvreuse.events.mirror import HashChain, ReplicaMirror, TruncatedIndex
+    from kvreuse.events.publisher import Publisher, is_bind_endpoint
+    from kvreuse.events.subscriber import ReplicaStream, Subscriber
+    from kvreuse.events.wire import EventBatch, decode_batch, encode_batch, hash64
+
+_HOME = {
+    "Converter": "convert",
+    "attention_group": "convert",
+    "HashChain": "mirror",
+    "ReplicaMirror": "mirror",
+    "TruncatedIndex": "mirror",
+    "Publisher": "publisher",
+    "is_bind_endpoint": "publisher",
+    "ReplicaStream": "subscriber",
+    "Subscriber": "subscriber",
+    "EventBatch": "wire",
+    "decode_batch": "wire",
+    "encode_batch": "wire",
+    "hash64": "wire",
+}
 
 __all__ = [
     "MODES",
@@ -32,3 +60,10 @@ __all__ = [
     "hash64",
     "is_bind_endpoint",
 ]
+
+
+def __getattr__(name: str) -> object:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'kvreuse.events' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"kvreuse.events.{home}"), name)

@@ -26,7 +26,8 @@ from collections.abc import Sequence
 import zmq
 
 from kvreuse.core import Event, Geometry
-from kvreuse.events.convert import MODES, Converter, Mode, attention_group
+from kvreuse.events.common import MODES, Mode, endpoint_problem
+from kvreuse.events.convert import Converter, attention_group
 from kvreuse.events.routable import RoutableFilter
 from kvreuse.events.wire import EventBatch, LegacyEventBatch, encode_batch, to_legacy
 
@@ -85,6 +86,10 @@ class Publisher:
         _check_options(buffer_steps, hwm, max_queue_size, mode)
         if not isinstance(data_parallel_rank, int) or data_parallel_rank < 0:
             raise ValueError(f"data_parallel_rank must be an int ≥ 0, got {data_parallel_rank!r}")
+        for given in (endpoint, replay_endpoint):
+            problem = None if given is None else endpoint_problem(given)
+            if problem is not None:
+                raise ValueError(f"cannot open KV event endpoint {given!r}: {problem}")
         endpoint = offset_endpoint(endpoint, data_parallel_rank) or endpoint
         replay_endpoint = offset_endpoint(replay_endpoint, data_parallel_rank)
         self.mode = mode
@@ -118,19 +123,13 @@ class Publisher:
                 replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:
             self._close_sockets()
-            raise ValueError(f"cannot open KV event endpoint: {exc}") from None
+            where = f"{endpoint}" if replay_endpoint is None else f"{endpoint} / {replay_endpoint}"
+            raise ValueError(f"cannot open KV event endpoint {where}: {exc}") from None
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         # The sockets were made here but from now on only the thread touches them.
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
-
-    @property
-    def unknown_parents(self) -> int:
-        """Pieces sent with a nil parent because their parent hash was not known (see
-        `kvreuse.events.convert`); 0 unless the converter's memories overflowed."""
-        conv = self._converter
-        return conv.unknown_parents if isinstance(conv, Converter) else 0
 
     @property
     def next_seq(self) -> int:

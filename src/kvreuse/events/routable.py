@@ -43,15 +43,15 @@ from kvreuse.events.wire import (
 _FAR = 1 << 62  # "any distance": a change in a full-attention group reaches every descendant
 
 
-@dataclass
+@dataclass(slots=True)
 class _Node:
     """An entry of the attention group in the tree of chains. A node that left the cache stays
     (not `resident`) while descendants still name it, so that their path stays known."""
 
     parent: bytes | None
     boundary: int
-    tokens: list[int]  # the unit's u tokens, for its BlockStored
-    lookahead: list[int]
+    tokens: tuple[int, ...]  # the unit's u tokens, for its BlockStored
+    lookahead: tuple[int, ...]
     lora: str | None
     resident: bool = True
     routable: bool = False
@@ -78,7 +78,6 @@ class RoutableFilter:
         self.full = _FullIndex(len(geo.groups))
         self.nodes: dict[bytes, _Node] = {}
         self.children: dict[bytes | None, set[bytes]] = {}
-        self.at_boundary: dict[int, set[bytes]] = {}
         # how far below a changed boundary the group's change can move `routable`
         self.reach: dict[int, int] = {}
         self.states = [g.group_id for g in geo.cacheable if g.kind == "recurrent"]
@@ -100,7 +99,6 @@ class RoutableFilter:
                     idx.clear()
                 self.nodes.clear()
                 self.children.clear()
-                self.at_boundary.clear()
                 out.append(AllBlocksCleared())
                 continue
             if ev.group_id not in self.reach:
@@ -128,8 +126,8 @@ class RoutableFilter:
             node = _Node(
                 parent,
                 e.boundary,
-                list(ev.token_ids[at - u : at]),
-                list(ev.successor_token_ids[k]),
+                ev.token_ids[at - u : at],
+                ev.successor_token_ids[k],
                 ev.lora[0] if ev.lora else None,
             )
             if old is not None:  # back in the cache: keep what its subtree added up
@@ -140,7 +138,6 @@ class RoutableFilter:
                 )
             self.nodes[e.hash] = node
             self.children.setdefault(parent, set()).add(e.hash)
-            self.at_boundary.setdefault(e.boundary, set()).add(e.hash)
         reach = self.reach[ev.group_id]
         if reach == 0:  # a recurrent state moves only its own boundary
             for e in ev.entries:
@@ -149,36 +146,13 @@ class RoutableFilter:
             span = ev.entries[-1].boundary - ev.entries[0].boundary
             self._reevaluate(ev.entries[0].hash, min(_FAR, reach + span), out)
 
-    def _parent_of(self, ev: CoreStored, boundary: int) -> bytes | None:
-        """The hash at `boundary - u` for a run that does not carry it."""
-        u, start = ev.hash_unit, ev.token_start
-        if boundary - u == 0:
+    @staticmethod
+    def _parent_of(ev: CoreStored, boundary: int) -> bytes | None:
+        """The hash at `boundary - u` (None at 0), from the chain the run carries."""
+        u = ev.hash_unit
+        if boundary == u:
             return None
-        if boundary - u == start:
-            return ev.parent_hash
-        # The run starts inside its page: the unit before it is a node at `boundary - u`
-        # whose path goes back to the run's page start with the run's tokens.
-        want = list(ev.token_ids[: boundary - u - start])
-        for h in self.at_boundary.get(boundary - u, ()):
-            if self._path_matches(h, start, ev.parent_hash, want):
-                return h
-        return None
-
-    def _path_matches(
-        self, h: bytes, start: int, start_hash: bytes | None, want: list[int]
-    ) -> bool:
-        """Whether the path up from `h` carries the tokens `want` after boundary `start` and
-        hangs from `start_hash` there (None at 0: then, as for the converter, a salt is the
-        one thing it cannot tell apart)."""
-        got: list[int] = []
-        key: bytes | None = h
-        while key is not None and key in self.nodes:
-            node = self.nodes[key]
-            got[:0] = node.tokens
-            if node.boundary - self.geo.hash_unit == start:
-                return node.parent == start_hash and got == want
-            key = node.parent
-        return False
+        return ev.unit_hashes[(boundary - u - ev.token_start) // u]
 
     def _removed(self, ev: CoreRemoved, out: list[WireEvent]) -> None:
         self.full.index[ev.group_id].pop(ev.hash, None)
@@ -197,26 +171,31 @@ class RoutableFilter:
                 return
             del self.nodes[h]
             self.children.pop(h, None)
-            self.at_boundary[node.boundary].discard(h)
             siblings = self.children.get(node.parent)
             if siblings is not None:
                 siblings.discard(h)
             h = node.parent
 
-    def _chain(self, h: bytes) -> list[bytes] | None:
-        """[H[0], H[1], …, h] through resident nodes, or None if the path is broken."""
+    def _chain(self, h: bytes) -> tuple[list[bytes], bool] | None:
+        """[H[0], H[1], …, h] through known nodes, and whether all of them are resident; None if
+        the path back to the first unit is not known. A path may pass through a node that left
+        the index while its tokens are still held: a copied page keeps the content of units
+        whose keys went with the page they were first published on, and the lookup finds
+        the page by a later key."""
         path = [h]
         node = self.nodes[h]
-        while node.resident and node.parent is not None:
+        intact = node.resident
+        while node.parent is not None:
             if node.parent not in self.nodes:
                 return None
             path.append(node.parent)
             node = self.nodes[node.parent]
-        if not node.resident or node.boundary != self.geo.hash_unit:
+            intact = intact and node.resident
+        if node.boundary != self.geo.hash_unit:
             return None
         path.append(b"")  # H[0] is never looked up
         path.reverse()
-        return path
+        return path, intact
 
     def _reevaluate(self, h: bytes, reach: int, out: list[WireEvent]) -> None:
         """Recompute `routable` for the node `h` and its descendants within `reach` tokens."""
@@ -226,32 +205,36 @@ class RoutableFilter:
         parent = self.nodes[h].parent
         if self.geo.spec_mode == "drop" and parent in self.nodes:
             h = parent  # (see `_is_routable`) the parent is judged through its children
-        # each entry carries its chain (None: its path is not resident), extended one unit per
-        # step down instead of being walked up again for every node
-        stack: list[tuple[bytes, list[bytes] | None]] = [(h, self._chain(h))]
+        # each entry carries its chain (None: its path is not known) and whether every node on
+        # it is resident, extended one unit per step down instead of walked up for every node
+        stack: list[tuple[bytes, tuple[list[bytes], bool] | None]] = [(h, self._chain(h))]
         deltas: dict[bytes, int] = {}
         while stack:
-            key, chain = stack.pop()
+            key, found = stack.pop()
             node = self.nodes[key]
             if node.boundary > limit:
                 continue
-            now = chain is not None and self._is_routable(key, node, chain)
+            # a hit at k needs the key at k: a node out of the index is never routable itself
+            now = found is not None and node.resident and self._is_routable(key, node, *found)
             if now != node.routable:
                 node.routable = now
                 deltas[key] = 1 if now else -1
             for child in self.children.get(key, ()):
-                ok = chain is not None and self.nodes[child].resident
-                stack.append((child, [*chain, child] if ok and chain is not None else None))
+                if found is None:
+                    stack.append((child, None))
+                else:
+                    chain, intact = found
+                    stack.append((child, ([*chain, child], intact and self.nodes[child].resident)))
         if deltas:
             self._propagate(deltas, out)
 
-    def _is_routable(self, key: bytes, node: _Node, chain: list[bytes]) -> bool:
-        """Whether a request sharing the prefix up to `node` (its resident `chain`) would reuse
-        all of it."""
+    def _is_routable(self, key: bytes, node: _Node, chain: list[bytes], intact: bool) -> bool:
+        """Whether a request sharing the prefix up to `node` (its `chain`, `intact` when every
+        unit key on it is resident) would reuse all of it."""
         drop = self.geo.spec_mode == "drop"
         if not drop and any(key not in self.full.index[gid] for gid in self.states):
             return False  # a hit at k needs a state exactly at k in every recurrent group
-        if self.geo.only_full:
+        if self.geo.only_full and intact:
             # Full attention alone: every unit entry of the path is resident, so its pages are
             # covered and the hit is the whole prefix; the lookup would say the same.
             return True
@@ -312,7 +295,7 @@ class RoutableFilter:
             last.block_hashes.append(hash64(h))
             last.token_ids.extend(node.tokens)
             if last.lookahead_token_ids is not None:
-                last.lookahead_token_ids.append(node.lookahead)
+                last.lookahead_token_ids.append(list(node.lookahead))
             return
         out.append(
             BlockStored(
@@ -325,7 +308,7 @@ class RoutableFilter:
                 lora_name=node.lora,
                 group_idx=self.gid,
                 kv_cache_spec_kind=SPEC_KINDS["full"],
-                lookahead_token_ids=[node.lookahead] if self.geo.lookahead else None,
+                lookahead_token_ids=[list(node.lookahead)] if self.geo.lookahead else None,
             )
         )
 

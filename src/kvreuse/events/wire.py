@@ -10,6 +10,9 @@ big-endian, which is what vLLM sends when it publishes int hashes (its default).
 
 from __future__ import annotations
 
+import sys
+from array import array
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -30,6 +33,25 @@ _MASK64 = (1 << 64) - 1
 def hash64(digest: bytes) -> int:
     """The low 64 bits of `digest` read as a big-endian unsigned integer."""
     return int.from_bytes(digest[-8:], "big") & _MASK64
+
+
+def low64(digests: Sequence[bytes]) -> list[int]:
+    """`[hash64(d) for d in digests]`, for digests of one length, in a fixed number of C-level
+    steps (slices of the joined digests) rather than one Python call per digest."""
+    n = len(digests)
+    if n < 4:
+        return [int.from_bytes(d[-8:], "big") for d in digests]
+    joined = b"".join(digests)
+    size = len(joined) // n
+    if size < 8 or size * n != len(joined):  # mixed lengths: not a chain's digests
+        return [hash64(d) for d in digests]
+    low = bytearray(8 * n)
+    for k in range(8):  # byte k of every digest's last eight
+        low[k::8] = joined[size - 8 + k :: size]
+    words = array("Q", low)
+    if sys.byteorder == "little":
+        words.byteswap()
+    return words.tolist()
 
 
 class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):

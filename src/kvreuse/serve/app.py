@@ -13,6 +13,9 @@ GET  /kvreuse/geometry       the cache geometry as a TOML geometry file (for qua
 
 Bodies are read up to `max_body_bytes` (413 beyond) and decoded, validated and tokenised in a
 worker thread, so a large body does not stall the event loop (`/health` included).
+
+With `kv_events` (a `kvreuse.events.Publisher`) the step loop publishes the cache's KV events
+to it; the app closes it at shutdown, after the step loop has stopped.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from kvreuse.serve.backend import Backend
 from kvreuse.serve.body import DEFAULT_MAX_BODY_BYTES, Disconnected, decode_json, read_body
 from kvreuse.serve.generate import Gen, check_model, check_prompt_length, prepare, run, submit
 from kvreuse.serve.lifecycle import Lifecycle
-from kvreuse.serve.loop import EngineLoop, Unavailable
+from kvreuse.serve.loop import EngineLoop, EventSink, Unavailable
 from kvreuse.serve.metrics import new_registry, take_snapshot
 from kvreuse.serve.openapi import error_responses, install_openapi, request_body
 from kvreuse.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse, render_chat
@@ -54,12 +57,13 @@ def create_app(
     stream_stall_timeout: float = 30.0,
     admin_token: str | None = None,
     metrics_port: int | None = None,
+    kv_events: EventSink | None = None,
 ) -> FastAPI:
     """`force_include_usage`: every stream ends with a usage chunk, even when the client did not
     ask for one with `stream_options.include_usage` (vLLM's --enable-force-include-usage).
     `metrics_port`: serve /metrics only on connections to that local port (and nothing else
     there but /health)."""
-    engine = EngineLoop(backend, max_pending)
+    engine = EngineLoop(backend, max_pending, kv_events)
     life = Lifecycle(engine)
 
     @asynccontextmanager
@@ -69,9 +73,12 @@ def create_app(
             yield
         finally:
             engine.stop(timeout=10.0)
+            if kv_events is not None:  # after the loop: it sends what the last steps queued
+                kv_events.close()
 
     app = FastAPI(title="kvreuse", version="0.1.0", lifespan=lifespan)
     app.state.engine, app.state.backend, app.state.lifecycle = engine, backend, life
+    app.state.kv_events = kv_events
     _install_errors(app)
     if metrics_port is not None:
         app.add_middleware(_PortSplit, metrics_port=metrics_port)

@@ -14,6 +14,12 @@ One request never stops the loop:
 * only when that recovery itself fails (or the manager's invariants no longer hold) is the loop
   truly broken: then every queued command and every open request fails at once, `alive` turns
   false (`/health` answers 503) and `on_fatal` tells the server to exit non-zero.
+
+KV events: with an `events` sink (a `kvreuse.events.Publisher`), the thread hands it the
+manager's events after every step, before the step's tokens reach their requests (so a router
+has them queued by the time a client sees its answer), and after every command (a finish, an
+abort, a reset). Without one the manager's event log is switched off, so it costs nothing. A
+publish that fails is logged and counted; it never stops the loop.
 """
 
 from __future__ import annotations
@@ -23,16 +29,24 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from kvreuse.core import Request, StepPlan
+from kvreuse.core import Event, Request, StepPlan
 from kvreuse.serve.backend import Backend
 
 log = logging.getLogger("kvreuse.serve")
 
 T = TypeVar("T")
+
+
+class EventSink(Protocol):
+    """Where the step loop sends the manager's events (`kvreuse.events.Publisher`)."""
+
+    def publish(self, events: Sequence[Event]) -> None: ...
+
+    def close(self, timeout: float = ...) -> None: ...
 
 
 class Overloaded(RuntimeError):
@@ -79,6 +93,7 @@ class LoopStats:
     requests_finished: dict[str, int] = field(default_factory=dict)
     aborted: int = 0
     failed_steps: int = 0
+    failed_publishes: int = 0  # event batches the sink refused (logged; the loop goes on)
 
 
 class _EngineGuard:
@@ -96,9 +111,12 @@ class _EngineGuard:
 class EngineLoop:
     """Runs `backend.scheduler` in a background thread; bounded by `max_pending` requests."""
 
-    def __init__(self, backend: Backend, max_pending: int = 256) -> None:
+    def __init__(
+        self, backend: Backend, max_pending: int = 256, events: EventSink | None = None
+    ) -> None:
         self.backend = backend
         self.max_pending = max_pending
+        self.events = events
         self.stats = LoopStats()
         self._inbox: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders puts against closing the inbox
@@ -213,6 +231,9 @@ class EngineLoop:
         sched = self.backend.scheduler
         if not isinstance(sched.engine, _EngineGuard):
             sched.engine = _EngineGuard(sched.engine)
+        # record events only for a sink; what was recorded before (the cache's history since
+        # the manager was made) goes out with the first batch
+        self.backend.mgr.events.set_enabled(self.events is not None)
         try:
             while True:
                 block = not sched.has_work()
@@ -241,6 +262,19 @@ class EngineLoop:
             log.error("a step-loop command failed: %s: %s", type(exc).__name__, exc)
             cmd.fail(f"internal error: {type(exc).__name__}: {exc}")
             self.backend.mgr.check_invariants()  # raises into _run when the core is hurt
+        self._publish()
+
+    def _publish(self) -> None:
+        """Hand the manager's pending events to the sink; a failure is logged, never raised."""
+        if self.events is None:
+            return
+        try:
+            events = self.backend.mgr.take_events()
+            if events:
+                self.events.publish(events)
+        except Exception as exc:  # the events are lost; the requests are not
+            self.stats.failed_publishes += 1
+            log.error("KV events could not be published: %s: %s", type(exc).__name__, exc)
 
     def _fatal(self, why: str) -> None:
         with self._lock:
@@ -269,7 +303,9 @@ class EngineLoop:
             st = sched.step()
         except Exception as exc:
             self._recover(exc, guard.step if isinstance(guard, _EngineGuard) else None)
+            self._publish()
             return
+        self._publish()
         self.stats.steps += 1
         self.stats.preemptions += len(st.preempted)
         for act in list(self._active.values()):

@@ -1,0 +1,73 @@
+"""A real consumer, unchanged: NVIDIA Dynamo's standalone KV indexer (`python -m dynamo.indexer`
+from ai-dynamo-runtime, in `.venv-dynamo`) follows a live `kvreuse serve` replica's KV events.
+
+On attention-only geometries (DCP-sharded pages included, whose physical page is 4 hash units),
+for every request of an agent and a shared-prefix workload, the indexer's `longest_matched`
+(capped at the last unit boundary before the prompt's end, as the replica always computes the
+last token) equals the cached tokens the replica then reports. On a DCP4 hybrid that keeps a
+state at every unit, `routable` mode keeps it exact under eviction, where `groups` mode shows
+it too little. The shared pieces live in benchmarks/dynamo/dynamo_live.py; the errors on other
+hybrids are measured by benchmarks/dynamo_prediction.py.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+for _name in ("fastapi", "uvicorn", "httpx"):
+    pytest.importorskip(_name, reason="this test runs a server: pip install -e '.[server]'")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "dynamo"))
+
+from dynamo_live import DYNAMO_PYTHON, SETUP, dynamo_following, dynamo_rows, scripted_backend  # noqa: E402
+
+from kvreuse.deployment import resolve  # noqa: E402
+from kvreuse.sim.generators import agent, shared_prefix  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not DYNAMO_PYTHON.exists(), reason=f"Dynamo's venv is absent: build it with `{SETUP}`"
+)
+
+
+def workload() -> list[dict[str, object]]:
+    return agent(
+        sessions=2, turns=6, user_len=40, tool_len=20, max_tokens=4, seed=1
+    ) + shared_prefix(prefix_len=100, suffix_len=30, requests=8, max_tokens=4, seed=2)
+
+
+@pytest.mark.parametrize(
+    ("geometry", "mode"),
+    [
+        ("tiny-attention", "groups"),
+        ("tiny-attention", "legacy"),
+        ("tiny-attention", "routable"),
+        ("tiny-attention-dcp4", "groups"),  # pages of 64 tokens, 16 on the wire
+    ],
+)
+def test_dynamo_predicts_every_cached_token_on_attention_only(geometry: str, mode: str) -> None:
+    with dynamo_following(scripted_backend(resolve(geometry)), mode) as (replica, indexer):
+        rows = list(dynamo_rows(replica, indexer, workload()))
+    assert [(r.request_id, r.predicted) for r in rows] == [(r.request_id, r.cached) for r in rows]
+    assert sum(r.cached for r in rows) > 0.5 * sum(r.prompt_tokens for r in rows)
+
+
+def test_routable_keeps_dynamo_exact_on_a_dense_hybrid_that_evicts() -> None:
+    """tiny-hybrid-dcp4 (pages of 16 units, a state at every unit) in a pool that evicts:
+    `groups` publishes the index, whose holes (units keyed on a page since evicted, their
+    tokens still held by a copy) stop Dynamo's contiguous match short; `routable` publishes
+    the path through them, and Dynamo is exact."""
+    dep = resolve("tiny-hybrid-dcp4")
+    dep = replace(dep, cache=replace(dep.cache, num_blocks=55, recurrent_retention="dense"))
+    lines = agent(
+        sessions=2, turns=4, user_len=197, tool_len=131, max_tokens=8, seed=5
+    ) + shared_prefix(prefix_len=391, suffix_len=129, requests=5, max_tokens=8, seed=6)
+    errors = {}
+    for mode in ("groups", "routable"):
+        with dynamo_following(scripted_backend(dep), mode) as (replica, indexer):
+            errors[mode] = [r.predicted - r.cached for r in dynamo_rows(replica, indexer, lines)]
+    assert errors["routable"] == [0] * len(lines)
+    assert min(errors["groups"]) < 0
