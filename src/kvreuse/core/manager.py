@@ -39,7 +39,7 @@ from kvreuse.core.metrics import RequestStats, count_admission, new_counters, sn
 from kvreuse.core.plan import RequestPlan, StepPlan
 from kvreuse.core.pool import BlockPool
 from kvreuse.core.request import Deferral, Phase, Request, RequestState, new_request_state
-from kvreuse.core.rules import check_allocate
+from kvreuse.core.rules import check_allocate, plain_growth
 from kvreuse.core.savepoints import planned_positions, replay_point, save_positions
 from kvreuse.core.views import describe, export_entries, export_ghost
 
@@ -113,7 +113,7 @@ class KVCacheManager:
         self, req_id: str, num_new_tokens: int, lookup: LookupResult | None, num_extra_slots: int
     ) -> RequestState:
         st = self._get(req_id, "allocate")
-        if lookup is None and num_extra_slots == 0 and _plain_growth(st, num_new_tokens):
+        if lookup is None and num_extra_slots == 0 and plain_growth(st, num_new_tokens):
             return st
         check_allocate(
             st,
@@ -215,7 +215,7 @@ class KVCacheManager:
         requests = self.requests
         for rid, n in zip(ids, counts, strict=True):
             st = requests.get(rid)
-            if st is None or not _plain_growth(st, n):
+            if st is None or not plain_growth(st, n):
                 st = check(rid, n, None, 0)  # allocate's own checks: the same errors
             rec = grow(geo, pool, counters, st, n, 0, pool.num_free)
             if rec is None:
@@ -359,6 +359,11 @@ class KVCacheManager:
     def take_events(self) -> list[Event]:
         return self.events.take(self.geo)
 
+    def set_event_log(self, enabled: bool) -> None:
+        """Record events (spec §13) or not, whatever `enable_events` said: a server records only
+        while something publishes them. Turning it off drops what is pending."""
+        self.events.set_enabled(enabled)
+
     def save_positions(self, req_id: str, lookup: LookupResult | None = None) -> list[int]:
         """Positions where the request still wants a recurrent state (spec §9.4): a scheduler
         ends prefill chunks there. A waiting request needs the lookup it will be admitted with."""
@@ -400,20 +405,3 @@ class KVCacheManager:
     def replay_point(self, prompt_len: int) -> int:
         """ρ(P) of this geometry (spec §8): the hit of an identical resend."""
         return replay_point(self.geo, prompt_len)
-
-
-def _plain_growth(st: RequestState, num_new_tokens: int) -> bool:
-    """The common growth (a decode step, the next prefill chunk), valid by these facts alone:
-    `allocate` runs its full checks only when this is false."""
-    return (
-        type(num_new_tokens) is int
-        and st.phase is Phase.RUNNING
-        and st.open_plan is None
-        and st.deferred is None
-        and not st.inflight
-        and num_new_tokens > 0
-        and (
-            st.scheduled == len(st.tokens) - 1  # decode (plus drafts)
-            or st.scheduled + num_new_tokens <= len(st.tokens)  # prefill within N
-        )
-    )

@@ -68,3 +68,20 @@ def check_allocate(
             f"allocate: {req_id!r} has start={start} > N−1={n_hat - 1}; a step that "
             "verifies drafts must commit before the request grows again"
         )
+
+
+def plain_growth(st: RequestState, num_new_tokens: int) -> bool:
+    """The common growth (a decode step, the next prefill chunk), valid by these facts alone:
+    `allocate` runs its full checks only when this is false."""
+    return (
+        type(num_new_tokens) is int
+        and st.phase is Phase.RUNNING
+        and st.open_plan is None
+        and st.deferred is None
+        and not st.inflight
+        and num_new_tokens > 0
+        and (
+            st.scheduled == len(st.tokens) - 1  # decode (plus drafts)
+            or st.scheduled + num_new_tokens <= len(st.tokens)  # prefill within N
+        )
+    )

@@ -233,7 +233,7 @@ class EngineLoop:
             sched.engine = _EngineGuard(sched.engine)
         # record events only for a sink; what was recorded before (the cache's history since
         # the manager was made) goes out with the first batch
-        self.backend.mgr.events.set_enabled(self.events is not None)
+        self.backend.mgr.set_event_log(self.events is not None)
         try:
             while True:
                 block = not sched.has_work()
