@@ -59,12 +59,13 @@ def test_bad_requests(mgr: KVCacheManager, request_: Request, exc: type, fragmen
 @pytest.mark.parametrize("code", ["B", "H", "I"])
 def test_unsigned_array_prompts_are_valid_by_type(mgr: KVCacheManager, code: str) -> None:
     """D14: an unsigned array of at most 4-byte elements skips the per-element check and
-    hashes exactly as the same list does."""
+    hashes exactly as the same list does; the request keeps its own 4-byte copy."""
     tokens = [(7 * i) % 251 for i in range(100)]
     mgr.add_request(Request("arr", array(code, tokens)))
     mgr.add_request(Request("lst", tokens))
     a, b = mgr.requests["arr"], mgr.requests["lst"]
-    assert a.tokens == tokens and type(a.tokens) is list
+    assert a.tokens.tolist() == tokens == b.tokens.tolist()
+    assert a.tokens.typecode == b.tokens.typecode == "I"
     assert a.chain.hashes == b.chain.hashes
 
 

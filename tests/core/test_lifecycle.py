@@ -46,7 +46,7 @@ def test_overlapped_prefill_then_decode_uses_n_hat() -> None:
     m.commit(s1.step_id, {"a": (100, [7])})
     m.commit(s2.step_id, {"a": (101, [8])})
     checked(m)
-    assert m.requests["a"].tokens[-2:] == [7, 8]
+    assert m.requests["a"].tokens[-2:].tolist() == [7, 8]
     stats = m.finish("a")
     assert stats.cached_tokens == 0
     checked(m)
