@@ -338,11 +338,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     demo.add_argument("--json", action="store_true", help="one JSON object per request")
     demo.set_defaults(func=_cmd_demo)
+    from kvreuse.fleet.cli import add_fleet_arguments, fleet_requested, run_fleet
     from kvreuse.sim.cli import add_parser as _add_simulate
+    from kvreuse.sim.sweep_cli import add_parser as _add_sweep
     from kvreuse.sim.workload_cli import add_parser as _add_workload
 
     _add_workload(sub)
     _add_simulate(sub)
+    simulate = sub.choices["simulate"]  # --replicas N runs a fleet (kvreuse.fleet sits above sim)
+    add_fleet_arguments(simulate)
+    single = simulate.get_default("func")
+    simulate.set_defaults(func=lambda a: run_fleet(a) if fleet_requested(a) else single(a))
+    _add_sweep(sub)
     _add_geometry(sub)
     _add_serve(sub)
     _add_qualify(sub)

@@ -20,6 +20,9 @@ named by `resolve(spec)`: a preset name (`PRESETS`), a path to a TOML geometry f
     kind = "recurrent"
     block_size = 256
 
+    [cost]                       # optional: this server's step costs (kvreuse.sim.cost)
+    prefill_tokens_per_s = 13269
+
 Unknown tables and keys are errors naming where they are; values are checked by `CacheConfig`
 and `SchedulerConfig`, whose messages are passed through. `geometry_toml` writes a deployment
 back as such a file (a server serves it to `kvreuse qualify`).
@@ -30,7 +33,7 @@ from __future__ import annotations
 import difflib
 import os
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +67,23 @@ KEY_KINDS: dict[str, type] = {
 }
 GROUP_KEY_KINDS = {f.name: _value_kind(f.type) for f in fields(GroupSpec)}
 
+# The [cost] table's keys and the closed range of each (kvreuse.sim.cost.CostModel's fields).
+COST_LIMITS: dict[str, tuple[float, float]] = {
+    "prefill_tokens_per_s": (1.0, 1e12),  # prefill throughput of a cold prompt
+    "decode_step_s": (0.0, 3600.0),  # a step that decodes
+    "saved_state_s": (0.0, 3600.0),  # each recurrent state a step writes
+    "prefill_chunk_s": (0.0, 3600.0),  # each request a step prefills (per chunk)
+}
+
+
+def cost_problem(key: str, value: object) -> str | None:
+    """Why `value` cannot be cost field `key` (a number in its range: NaN and ±inf are not),
+    or None."""
+    low, high = COST_LIMITS[key]
+    if not isinstance(value, bool) and isinstance(value, int | float) and low <= value <= high:
+        return None
+    return f"{key} must be a number in [{low:g}, {high:g}], got {value!r}"
+
 
 class GeometryError(ValueError):
     """A geometry file or deployment name is malformed; the message names the table and key."""
@@ -72,102 +92,73 @@ class GeometryError(ValueError):
 @dataclass(frozen=True)
 class Deployment:
     """What one cache runs with: `name` (the preset or file it came from), the cache's
-    configuration, the scheduler's, and the context length (None: what the model allows)."""
+    configuration, the scheduler's, the context length (None: what the model allows), and the
+    [cost] table as written (only the keys it sets; the simulator fills in the rest)."""
 
     name: str
     cache: CacheConfig
     sched: SchedulerConfig
     max_model_len: int | None
+    cost: dict[str, float] = field(default_factory=dict)
 
 
 # What `resolve` accepts: a preset name, a path to a geometry file, or a deployment.
 DeploymentSpec = str | os.PathLike[str] | Deployment
 
+# Presets are geometry files; their [[groups]] are written as one inline array (TOML's other
+# spelling of the same tables). `kvreuse geometry show NAME` prints one in the long form.
 PRESETS: dict[str, str] = {
     "attention-16": """
+        groups = [{kind = "full", block_size = 16}]
         [cache]
         num_blocks = 8192
-        [[groups]]
-        kind = "full"
-        block_size = 16
-    """,
-    "hybrid-dcp4": """
-        [cache]
-        num_blocks = 1024
-        dcp_size = 4
-        hash_unit = 256
-        [[groups]]
-        kind = "full"
-        block_size = 2048
-        [[groups]]
-        kind = "recurrent"
-        block_size = 256
     """,
     "sliding-hybrid": """
+        groups = [
+            {kind = "full", block_size = 16},
+            {kind = "sliding", block_size = 16, window = 1024},
+            {kind = "recurrent", block_size = 64},
+        ]
         [cache]
         num_blocks = 4096
-        [[groups]]
-        kind = "full"
-        block_size = 16
-        [[groups]]
-        kind = "sliding"
-        block_size = 16
-        window = 1024
-        [[groups]]
-        kind = "recurrent"
-        block_size = 64
     """,
     # Engine-sized geometries for the tiny PyTorch model (kvreuse.engine, tests, benchmarks).
     # max_model_len leaves room for the default resend grid (8,193 + 8 tokens + 1 output).
     "tiny-attention": """
+        groups = [{kind = "full", block_size = 16}]
         [cache]
         num_blocks = 1024
         max_num_batched_tokens = 2048
         max_model_len = 16384
-        [[groups]]
-        kind = "full"
-        block_size = 16
     """,
     "tiny-attention-dcp4": """
+        groups = [{kind = "full", block_size = 16}]
         [cache]
         num_blocks = 1024
         dcp_size = 4
         hash_unit = 8
         max_num_batched_tokens = 2048
         max_model_len = 16384
-        [[groups]]
-        kind = "full"
-        block_size = 16
     """,
     "tiny-hybrid-dcp4": """
+        groups = [{kind = "full", block_size = 32}, {kind = "recurrent", block_size = 8}]
         [cache]
         num_blocks = 1024
         dcp_size = 4
         hash_unit = 8
         max_num_batched_tokens = 2048
         max_model_len = 16384
-        [[groups]]
-        kind = "full"
-        block_size = 32
-        [[groups]]
-        kind = "recurrent"
-        block_size = 8
     """,
     "tiny-sliding-hybrid": """
+        groups = [
+            {kind = "full", block_size = 16},
+            {kind = "sliding", block_size = 16, window = 48},
+            {kind = "recurrent", block_size = 16},
+        ]
         [cache]
         num_blocks = 1024
         max_num_batched_tokens = 2048
         max_model_len = 16384
-        [[groups]]
-        kind = "full"
-        block_size = 16
-        [[groups]]
-        kind = "sliding"
-        block_size = 16
-        window = 48
-        [[groups]]
-        kind = "recurrent"
-        block_size = 16
     """,
 }
 
@@ -176,27 +167,42 @@ PRESETS: dict[str, str] = {
 # other tiny presets: every token is cached twice (target and drafter), and the default resend
 # grid's longest prompt must fit.
 _TINY_SPEC = """
+        groups = [
+            {{kind = "full", block_size = 16}},
+            {{kind = "recurrent", block_size = 16}},
+            {{kind = "full", block_size = 16, role = "draft"}},
+        ]
         [cache]
         num_blocks = 2048
         {mode}
         num_spec_tokens = 3
         max_num_batched_tokens = 2048
         max_model_len = 16384
-        [[groups]]
-        kind = "full"
-        block_size = 16
-        [[groups]]
-        kind = "recurrent"
-        block_size = 16
-        [[groups]]
-        kind = "full"
-        block_size = 16
-        role = "draft"
     """
 PRESETS["tiny-spec-lookahead"] = _TINY_SPEC.format(
     mode='spec_mode = "lookahead"\n        lookahead_tokens = 1'
 )
 PRESETS["tiny-spec-drop"] = _TINY_SPEC.format(mode='spec_mode = "drop"')
+
+# hybrid-dcp4, and its attention with a recurrent state kept at every recurrent page (dense
+# retention, as an engine that checkpoints each page does) of 256 or 2,048 tokens on one server's
+# [cost]: its cold 32 K prefill ran 12,759 tokens/s with 2,048-token pages and 10,200 with 256
+# (kvreuse.sim.cost.fit_state_cost derives the [cost] from them; docs/simulate.md).
+_HYBRID_DCP4 = """
+        groups = [{{kind = "full", block_size = 2048}}, {{kind = "recurrent", block_size = {page}}}]
+        [cache]
+        num_blocks = 1024
+        dcp_size = 4
+        hash_unit = 256
+        {more}
+    """
+PRESETS["hybrid-dcp4"] = _HYBRID_DCP4.format(page=256, more="")
+for _page in (256, 2048):
+    PRESETS[f"hybrid-dcp4-ckpt{_page}"] = _HYBRID_DCP4.format(
+        page=_page,
+        more='recurrent_retention = "dense"\n        [cost]\n        prefill_tokens_per_s = 13269'
+        "\n        saved_state_s = 0.0058",
+    )
 
 
 def load_geometry(text: str, name: str = "geometry") -> Deployment:
@@ -205,9 +211,11 @@ def load_geometry(text: str, name: str = "geometry") -> Deployment:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise GeometryError(f"{name}: not valid TOML ({exc})") from None
-    extra = set(doc) - {"cache", "groups"}
+    extra = set(doc) - {"cache", "groups", "cost"}
     if extra:
-        raise GeometryError(f"{name}: unknown table(s) {sorted(extra)}; use [cache] and [[groups]]")
+        raise GeometryError(
+            f"{name}: unknown table(s) {sorted(extra)}; use [cache], [[groups]] and [cost]"
+        )
     cache = doc.get("cache", {})
     if not isinstance(cache, dict):
         raise GeometryError(f"{name}: cache must be a table ([cache] with key = value lines)")
@@ -224,7 +232,18 @@ def load_geometry(text: str, name: str = "geometry") -> Deployment:
         sched_cfg = SchedulerConfig(**sched)
     except (TypeError, ValueError) as exc:
         raise GeometryError(f"{name}: [cache] scheduler setting: {exc}") from None
-    return Deployment(name, cfg, sched_cfg, max_model_len)
+    return Deployment(name, cfg, sched_cfg, max_model_len, _cost_table(name, doc.get("cost", {})))
+
+
+def _cost_table(name: str, table: Any) -> dict[str, float]:
+    if not isinstance(table, dict):
+        raise GeometryError(f"{name}: cost must be a table ([cost] with key = value lines)")
+    _check_keys(name, "[cost]", table, set(COST_LIMITS))
+    for key, value in table.items():
+        problem = cost_problem(key, value)
+        if problem is not None:
+            raise GeometryError(f"{name}: [cost] {problem}")
+    return {key: float(table[key]) for key in COST_LIMITS if key in table}
 
 
 def _group_tables(name: str, doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -296,6 +315,12 @@ def check_num_blocks(num_blocks: int, where: str, because: str = "") -> None:
         )
 
 
+def blocks_for_capacity(cache: CacheConfig, capacity_tokens: int) -> int:
+    """The pool that `capacity_tokens = N` asks for: the null block plus every block one
+    request of N tokens holds (its pages and its recurrent states' slots)."""
+    return 1 + cache.blocks_for_request(capacity_tokens)
+
+
 def _cache_config(name: str, cache: dict[str, Any], specs: list[GroupSpec]) -> CacheConfig:
     capacity = cache.pop("capacity_tokens", None)
     try:
@@ -307,7 +332,7 @@ def _cache_config(name: str, cache: dict[str, Any], specs: list[GroupSpec]) -> C
             if capacity < 1:
                 raise GeometryError(f"{name}: [cache] capacity_tokens must be ≥ 1")
             probe = CacheConfig(num_blocks=2, groups=specs, **cache)
-            cache["num_blocks"] = 1 + probe.blocks_for_request(capacity)
+            cache["num_blocks"] = blocks_for_capacity(probe, capacity)
         if "num_blocks" not in cache:
             raise GeometryError(f"{name}: [cache] needs num_blocks or capacity_tokens")
         because = "" if capacity is None else f" (for capacity_tokens = {capacity:,})"
@@ -355,6 +380,8 @@ def _toml_value(v: object) -> str | None:
         return "true" if v else "false"
     if isinstance(v, int):
         return str(v)
+    if isinstance(v, float):
+        return repr(v)  # finite (validated): Python's repr is a TOML float
     if isinstance(v, str):
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return None  # None, bytes, callables: not representable, left at their defaults
@@ -377,4 +404,7 @@ def geometry_toml(dep: Deployment) -> str:
         for f in fields(g):
             if (v := _toml_value(getattr(g, f.name))) is not None:
                 lines.append(f"{f.name} = {v}")
+    if dep.cost:
+        lines.append("[cost]")
+        lines.extend(f"{key} = {_toml_value(value)}" for key, value in dep.cost.items())
     return "\n".join(lines) + "\n"

@@ -213,4 +213,6 @@ def test_version_geometry_presets_and_defaults_in_help() -> None:
     for kind in ("resend-grid", "shared-prefix", "agent", "retrieval", "pressure"):
         text = run("workload", kind, "--help").stdout
         assert text.count("(default:") >= 3, kind
-    assert "(default: 20000.0)" in run("simulate", "--help").stdout
+    text = " ".join(run("simulate", "--help").stdout.split())
+    assert "(default: the geometry's [cost], else 20,000)" in text
+    assert "(default: None)" not in text

@@ -1,6 +1,7 @@
 """The package layering of `src/kvreuse`, read from the source (every import, lazy ones too).
 
-    core ← (oracle, tokenizer, sched, events) ← deployment ← (sim, engine) ← serve ← qualify ← cli
+    core ← (oracle, tokenizer, sched, events) ← deployment ← (sim, engine) ← serve ← fleet ← qualify
+        ← cli
 
 Each package imports only packages to its left, and only through `kvreuse.core`'s public names.
 (Import cycles are checked for all of src by tests/core/test_imports.py.)
@@ -25,6 +26,7 @@ LAYERS: list[set[str]] = [
     {"deployment"},
     {"sim", "engine"},
     {"serve"},
+    {"fleet"},
     {"qualify"},
     {"cli"},
 ]

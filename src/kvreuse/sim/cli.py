@@ -10,15 +10,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
 from kvreuse.core import ConfigError
-from kvreuse.deployment import PRESETS, Deployment, GeometryError, preset, resolve
+from kvreuse.deployment import (
+    PRESETS,
+    Deployment,
+    GeometryError,
+    check_num_blocks,
+    preset,
+    resolve,
+)
 from kvreuse.sim.progress import Progress
 from kvreuse.sim.report import PLOTS, summary_table, write_report
 from kvreuse.sim.run import (
@@ -30,27 +37,18 @@ from kvreuse.sim.run import (
     without_deferral,
 )
 from kvreuse.sim.workload import WorkloadError, WorkloadRequest, load_workload
+from kvreuse.sim.workload_cli import int_range, number
 
 DEFAULT_COST = CostModel()
 OUTPUTS = ("requests.jsonl", "summary.json", "report.md", *(f for f, _ in PLOTS))
 INTERRUPTED = 130  # the shell's code for a command stopped by Ctrl-C (128 + SIGINT)
 
 
-def number(low: float, high: float) -> Any:
-    """An argparse type: a finite float in [low, high]."""
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in the help, except None: such an option's help says what not giving it does."""
 
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and low <= value <= high):
-            raise argparse.ArgumentTypeError(
-                f"must be a finite number in [{low:g}, {high:g}], got {text!r}"
-            )
-        return value
-
-    return parse
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
 
 
 def add_parser(sub: Any) -> None:
@@ -58,7 +56,7 @@ def add_parser(sub: Any) -> None:
         "simulate",
         help="replay a workload on a cache geometry",
         description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_Help,
     )
     p.add_argument(
         "files",
@@ -73,6 +71,19 @@ def add_parser(sub: Any) -> None:
         help="a preset instead of a geometry file (kvreuse geometry list)",
     )
     p.add_argument("--out", type=Path, required=True, help="output folder (created if missing)")
+    pool = p.add_mutually_exclusive_group()
+    pool.add_argument(
+        "--num-blocks",
+        type=int_range(2, 2**63 - 1),
+        default=None,
+        help="the pool, in blocks, the null block included (None: the geometry's)",
+    )
+    pool.add_argument(
+        "--capacity-tokens",
+        type=int_range(1, 2**63 - 1),
+        default=None,
+        help="the pool: as many blocks as one request of N tokens needs (None: the geometry's)",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bars on stderr")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib)")
@@ -84,14 +95,16 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--prefill-tokens-per-s",
         type=number(1, 1e12),
-        default=DEFAULT_COST.prefill_tokens_per_s,
-        help="cost model: prefill throughput, tokens per second",
+        default=None,
+        help="cost model: prefill throughput, tokens per second (default: the geometry's "
+        f"[cost], else {DEFAULT_COST.prefill_tokens_per_s:,.0f})",
     )
     p.add_argument(
         "--decode-step-s",
         type=number(0, 3600),
-        default=DEFAULT_COST.decode_step_s,
-        help="cost model: seconds of a step that decodes",
+        default=None,
+        help="cost model: seconds of a step that decodes (default: the geometry's [cost], "
+        f"else {DEFAULT_COST.decode_step_s:g})",
     )
     p.add_argument(
         "--draft-accept-rate",
@@ -117,17 +130,30 @@ def _inputs(args: argparse.Namespace) -> tuple[Deployment, list[WorkloadRequest]
             raise GeometryError("give GEOMETRY.toml and WORKLOAD.jsonl (or --geometry NAME)")
         geo, wl_path = resolve(Path(args.files[0])), Path(args.files[1])
     try:
-        text = wl_path.read_text(encoding="utf-8")
+        with wl_path.open(encoding="utf-8") as lines:  # read line by line, never whole
+            workload = load_workload(lines)
     except (OSError, UnicodeDecodeError) as exc:
         why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
         raise WorkloadError(f"{wl_path}: cannot read the workload file ({why})") from None
-    try:
-        workload = load_workload(text.splitlines())
     except WorkloadError as exc:
         raise WorkloadError(f"{wl_path}: {exc}") from None
     if not workload:
         raise WorkloadError(f"{wl_path}: no requests (write one with kvreuse workload KIND)")
-    return geo, workload
+    return with_pool(geo, args.num_blocks, args.capacity_tokens), workload
+
+
+def with_pool(geo: Deployment, num_blocks: int | None, capacity_tokens: int | None) -> Deployment:
+    """`geo` with its pool resized: `num_blocks`, or the blocks `capacity_tokens` need (as the
+    geometry file's keys of the same names; neither: as it is)."""
+    if capacity_tokens is not None:
+        num_blocks = 1 + geo.cache.blocks_for_request(capacity_tokens)
+        because = f" (for --capacity-tokens {capacity_tokens:,})"
+    elif num_blocks is None:
+        return geo
+    else:
+        because = ""
+    check_num_blocks(num_blocks, "--num-blocks" if not because else "--capacity-tokens", because)
+    return replace(geo, cache=replace(geo.cache, num_blocks=num_blocks))
 
 
 def _require_matplotlib() -> None:
@@ -160,7 +186,9 @@ def prepare_out(out: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         geo, workload = _inputs(args)
-        cost = CostModel(args.prefill_tokens_per_s, args.decode_step_s)
+        cost = CostModel.for_deployment(  # the geometry's [cost], then the options given
+            geo, prefill_tokens_per_s=args.prefill_tokens_per_s, decode_step_s=args.decode_step_s
+        )
         if not args.no_plots:
             _require_matplotlib()
         prepare_out(args.out)

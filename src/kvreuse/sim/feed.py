@@ -25,7 +25,7 @@ def static_length(prompt: Any) -> int | None:
     kind, value = next(iter(prompt.items()))
     if kind == "tokens":
         return len(value)
-    if kind == "random":
+    if kind in ("random", "blocks"):
         return int(value["len"])
     if kind == "concat":
         parts = [static_length(p) for p in value]

@@ -10,7 +10,6 @@ queue has room (`kvreuse.sim.feed`); its row leaves as soon as it finishes (`kvr
 from __future__ import annotations
 
 import gc
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -19,30 +18,12 @@ from typing import Any
 from kvreuse.core import KVCacheManager
 from kvreuse.deployment import Deployment
 from kvreuse.sched import FakeEngine, Scheduler, Seq
+from kvreuse.sim.cost import CostMeter, CostModel
 from kvreuse.sim.feed import Feeder
 from kvreuse.sim.tally import Tally
 from kvreuse.sim.workload import WorkloadRequest
 
 Row = dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class CostModel:
-    """An estimate, not a measurement: step time = prefill tokens / rate + a decode step."""
-
-    prefill_tokens_per_s: float = 20_000.0
-    decode_step_s: float = 0.02
-
-    def __post_init__(self) -> None:
-        rate, step = self.prefill_tokens_per_s, self.decode_step_s
-        if not (math.isfinite(rate) and rate > 0 and math.isfinite(step) and step >= 0):
-            raise ValueError(
-                "cost model: prefill_tokens_per_s must be a finite number > 0 and decode_step_s "
-                f"a finite number ≥ 0, got {rate}, {step}"
-            )
-
-    def step_time(self, num_prefill: int, num_decode: int) -> float:
-        return num_prefill / self.prefill_tokens_per_s + (self.decode_step_s if num_decode else 0.0)
 
 
 @dataclass
@@ -103,7 +84,7 @@ def simulate(
     kept: list[Row] = []
     with _cyclic_gc_paused():
         out = kept.append if sink is None else sink
-        run = _Run(geo, workload, cost or CostModel(), engine, out)
+        run = _Run(geo, workload, cost or CostModel.for_deployment(geo), engine, out)
         try:
             return run.loop(on_step, kept)
         except KeyboardInterrupt:
@@ -124,7 +105,8 @@ class _Run:
         # Nobody drains events in a simulation; recording them would keep every finished
         # request's tokens alive until the event queue's bound.
         self.mgr = KVCacheManager(replace(geo.cache, enable_events=False))
-        self.sched = Scheduler(self.mgr, engine, geo.sched)
+        self.meter = CostMeter(engine, cost)
+        self.sched = Scheduler(self.mgr, self.meter, geo.sched)
         self.feeder = Feeder(workload, geo.max_model_len)
         self.workload, self.cost, self.sink = workload, cost, sink
         self.tally = Tally()
@@ -155,7 +137,7 @@ class _Run:
     def _step(self) -> None:
         sched, mgr, start = self.sched, self.mgr, self.clock
         st = sched.step()
-        self.clock += self.cost.step_time(st.num_prefill_tokens, st.num_decode_tokens)
+        self.clock += self.meter.step_time(st.num_prefill_tokens, st.num_decode_tokens)
         self.num_prefill += st.num_prefill_tokens
         self.num_deferred += len(st.deferred)
         for rid in st.admitted:
@@ -249,6 +231,7 @@ def _summary(run: _Run) -> dict[str, Any]:
         "steps": run.sched.num_steps,
         "prefill_tokens_computed": run.num_prefill,
         "deferral_waits": run.num_deferred,  # request-steps spent waiting for a shared prefix
+        **run.meter.summary(),  # saved_states, prefill_chunks, prefill_seconds
     }
 
 

@@ -10,6 +10,12 @@ A line:
            | {"concat": [PROMPT, ...]}               concatenation
            | {"history": "t2"}                       t2's prompt + its generated tokens (t2 must
                                                      finish first: an implicit "after")
+           | {"blocks": {"ids": [7, 9], "block_tokens": 512, "len": 700}}
+                                                     a trace's hashed blocks: block_tokens tokens
+                                                     per id (`block_tokens`), cut to len
+
+A blocks prompt stays compact until the request reaches the scheduler, so a trace of 145 M
+prompt tokens is a few megabytes of workload.
 
 Only `id`, `prompt` and `max_tokens` are required. Unknown fields are errors, never ignored;
 every error names the line and the field.
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import array
 import functools
+import hashlib
 import json
 import math
 import random
@@ -34,6 +41,9 @@ VOCAB = 1 << 15  # random prompts' token ids lie in [0, VOCAB)
 # A bound on a random prompt's length and on max_tokens: 16,777,216 tokens (a 64 MB prompt)
 # is past any model's context; larger values are typos that would exhaust memory or time.
 MAX_TOKENS_PER_REQUEST = 1 << 24
+MAX_BLOCK_TOKENS = 1 << 16  # tokens per hashed block of a trace (Mooncake 512, Bailian 16)
+MAX_BLOCK_ID = 1 << 32  # a block id is the first token of its block: a 4-byte token word
+PROMPT_KINDS = ("tokens", "random", "concat", "history", "blocks")
 
 
 class WorkloadError(ValueError):
@@ -84,6 +94,41 @@ def _random_tokens(seed: int, length: int) -> array.array[int]:
 
 
 _HIGH_7_BITS = bytes(b & 0x7F for b in range(256))
+_BLOCK_DOMAIN = b"kvreuse/trace-block/"
+
+
+def block_tokens(block_id: int, length: int) -> array.array[int]:
+    """The first `length` tokens of hashed block `block_id`: a fixed function of (id, position).
+
+    Token 0 is the id itself, so blocks of different ids differ at their first token and
+    prompts sharing a leading run of ids share exactly those tokens, whatever the cache's page
+    or hash unit. Token j ≥ 1 is the j-th little-endian 4-byte word of SHAKE-128(domain ‖ id as
+    4 bytes), any value in [0, 2**32) (the core's token range). A shorter block is a prefix of
+    a longer one, so a prompt's partial last block matches the start of the full block."""
+    return array.array(TOKEN_TYPECODE, _block(block_id, length))
+
+
+@functools.lru_cache(maxsize=4096)
+def _block(block_id: int, length: int) -> bytes:
+    """Memoised: blocks of a shared system prompt are generated once (4,096 × 2 KiB at most)."""
+    seed = _BLOCK_DOMAIN + block_id.to_bytes(4, "little")
+    words = bytearray(hashlib.shake_128(seed).digest(4 * length))
+    words[0:4] = block_id.to_bytes(4, "little")
+    out = array.array(TOKEN_TYPECODE, bytes(words))
+    if sys.byteorder != "little":
+        out.byteswap()
+    return out.tobytes()
+
+
+def _blocks_tokens(value: Mapping[str, Any]) -> array.array[int]:
+    ids, size, length = value["ids"], value["block_tokens"], value["len"]
+    out = array.array(TOKEN_TYPECODE)
+    whole, rest = divmod(length, size)
+    for block_id in ids[:whole]:
+        out.frombytes(_block(block_id, size))
+    if rest:
+        out.frombytes(_block(ids[whole], rest))
+    return out
 
 
 def resolve_prompt(prompt: Any, history: Mapping[str, Sequence[int]]) -> list[int]:
@@ -102,6 +147,8 @@ def tokens_of(prompt: Any, history: Mapping[str, Sequence[int]]) -> array.array[
         for part in value:
             out += tokens_of(part, history)
         return out
+    if kind == "blocks":
+        return _blocks_tokens(value)
     return array.array(TOKEN_TYPECODE, value if kind == "tokens" else history[value])
 
 
@@ -142,10 +189,49 @@ def _check_prompt(prompt: Any, where: str) -> None:
     elif kind == "history":
         if not isinstance(value, str) or not value:
             raise WorkloadError(f"{where}.history: the id of an earlier request")
+    elif kind == "blocks":
+        _check_blocks(value, f"{where}.blocks")
     else:
         raise WorkloadError(
-            f"{where}: unknown prompt kind {kind!r}; use 'tokens', 'random', 'concat' or 'history'"
+            f"{where}: unknown prompt kind {kind!r}; use one of {', '.join(PROMPT_KINDS)}"
         )
+
+
+def _check_blocks(value: Any, where: str) -> None:
+    shape = (
+        f'{{"ids": [ints in [0, 2**32)], "block_tokens": int in 1 … {MAX_BLOCK_TOKENS:,}, '
+        '"len": int}'
+    )
+    if not isinstance(value, dict) or set(value) != {"ids", "block_tokens", "len"}:
+        raise WorkloadError(f"{where}: {shape}")
+    ids, size, length = value["ids"], value["block_tokens"], value["len"]
+    if not isinstance(ids, list) or not ids:
+        raise WorkloadError(f"{where}.ids: a non-empty list of block ids (ints in [0, 2**32))")
+    bad = [x for x in ids if type(x) is not int or not 0 <= x < MAX_BLOCK_ID]
+    if bad:
+        raise WorkloadError(f"{where}.ids: block ids are ints in [0, 2**32), got {bad[0]!r}")
+    if type(size) is not int or not 1 <= size <= MAX_BLOCK_TOKENS:
+        raise WorkloadError(
+            f"{where}.block_tokens: an int in 1 … {MAX_BLOCK_TOKENS:,}, got {size!r}"
+        )
+    limit = min(len(ids) * size, MAX_TOKENS_PER_REQUEST)
+    if type(length) is not int or not 1 <= length <= limit:
+        raise WorkloadError(
+            f"{where}.len: an int in 1 … {limit:,} (len(ids) × block_tokens, at most "
+            f"{MAX_TOKENS_PER_REQUEST:,}), got {length!r}"
+        )
+
+
+def _compact(prompt: Any) -> Any:
+    """A validated PROMPT with every blocks prompt's ids as a 4-byte array (not a list of
+    Python ints: 4 bytes an id instead of about 36)."""
+    kind, value = next(iter(prompt.items()))
+    if kind == "blocks":
+        ids = array.array(TOKEN_TYPECODE, value["ids"])
+        return {"blocks": {**value, "ids": ids}}
+    if kind == "concat":
+        return {"concat": [_compact(p) for p in value]}
+    return prompt
 
 
 def parse_line(obj: Any, lineno: int) -> WorkloadRequest:
@@ -191,7 +277,7 @@ def parse_line(obj: Any, lineno: int) -> WorkloadRequest:
         ):
             raise WorkloadError(f"{where}: field 'lora' must be [name, path]")
         lora = (lora[0], lora[1])
-    return WorkloadRequest(rid, obj["prompt"], max_tokens, arrival, after, salt, lora)
+    return WorkloadRequest(rid, _compact(obj["prompt"]), max_tokens, arrival, after, salt, lora)
 
 
 def _seconds(value: Any) -> float | None:

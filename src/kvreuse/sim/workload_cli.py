@@ -1,4 +1,5 @@
-"""`kvreuse workload KIND [options] > FILE.jsonl`: the generators' command line.
+"""`kvreuse workload KIND [options] > FILE.jsonl`: the generators' command line, and
+`kvreuse workload import FORMAT FILE`, which converts a public trace (kvreuse.sim.traces).
 
 Every option is checked by its argparse type (a positive integer within a sane bound), so a
 mistake is one usage line (exit 2), never a traceback or a run that fills the disk.
@@ -8,13 +9,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import IO, Any
 
 from kvreuse.deployment import GeometryError
 from kvreuse.sim.generators import GENERATORS
-from kvreuse.sim.workload import MAX_TOKENS_PER_REQUEST
+from kvreuse.sim.traces import FORMATS, ImportOptions, ImportStats, import_trace
+from kvreuse.sim.workload import MAX_BLOCK_TOKENS, MAX_TOKENS_PER_REQUEST, WorkloadError
 
 MAX_COUNT = 1_000_000  # requests, sessions, turns, sequences, repeats
 
@@ -30,6 +33,25 @@ def int_range(low: int, high: int) -> Callable[[str], int]:
         if not low <= value <= high:
             raise argparse.ArgumentTypeError(
                 f"must be an integer in {low:,} … {high:,}, got {text!r}"
+            )
+        return value
+
+    return parse
+
+
+def number(low: float, high: float, low_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite float in [low, high] ((low, high] with `low_open`)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        above = value > low if low_open else value >= low
+        if not (math.isfinite(value) and above and value <= high):
+            opening = "(" if low_open else "["
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number in {opening}{low:g}, {high:g}], got {text!r}"
             )
         return value
 
@@ -140,6 +162,90 @@ def add_parser(sub: Any) -> None:
             p.add_argument(flag, *aliases, type=typ, default=default, help=text)
         p.add_argument("--seed", type=seed, default=0, help="seed of the random prompts")
         p.set_defaults(func=run)
+    _add_import(kinds)
+
+
+def _add_import(kinds: Any) -> None:
+    p = kinds.add_parser(
+        "import",
+        help="convert a public trace (mooncake, bailian) into a workload",
+        description="Convert a request trace into a workload on stdout, one line per record "
+        "read (memory does not grow with the trace). mooncake: Mooncake's FAST'25 traces "
+        "(timestamp in ms, 512-token hash blocks); bailian: Alibaba Bailian's Qwen traces "
+        "(chat and parent ids, timestamp in s, 16-token hash blocks). A bad record is one "
+        "error line naming the file, the line and the field (exit 2).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("format", choices=sorted(FORMATS), help="the trace's format")
+    p.add_argument("file", help="the trace, JSON lines ('-': standard input)")
+    p.add_argument(
+        "--block-tokens",
+        type=positive_int(MAX_BLOCK_TOKENS),
+        default=None,
+        help="tokens per hash id (None: the format's, 512 for mooncake, 16 for bailian)",
+    )
+    p.add_argument(
+        "--limit",
+        type=positive_int(2**63 - 1),
+        default=None,
+        help="write at most N requests (None: all)",
+    )
+    p.add_argument(
+        "--time-scale",
+        type=number(0, 1e6),
+        default=1.0,
+        help="multiply arrival times by X (0.5: twice the request rate; 0: all at once)",
+    )
+    p.add_argument(
+        "--sample",
+        type=number(0, 1, low_open=True),
+        default=1.0,
+        help="keep this fraction of the requests (bailian: of the sessions), chosen by --seed",
+    )
+    p.add_argument("--seed", type=seed, default=0, help="seed of --sample")
+    p.set_defaults(func=run_import)
+
+
+def run_import(args: argparse.Namespace) -> int:
+    options = ImportOptions(args.block_tokens, args.limit, args.time_scale, args.sample, args.seed)
+    stats = ImportStats()
+    prog = f"kvreuse workload import {args.format}"
+    name = "<stdin>" if args.file == "-" else args.file
+    try:
+        trace = _open(args.file)
+    except OSError as exc:
+        print(f"{prog}: {name}: cannot read the trace ({exc.strerror})", file=sys.stderr)
+        return 2
+    try:
+        with trace:
+            out = sys.stdout
+            for line in import_trace(args.format, _decoded(trace, name), name, options, stats):
+                out.write(json.dumps(line) + "\n")
+    except WorkloadError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if isinstance(exc, BrokenPipeError):
+            raise  # the reader left: `kvreuse` exits quietly (141)
+        print(f"{prog}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    print(f"{prog}: {stats.summary()}", file=sys.stderr)
+    return 0
+
+
+def _open(path: str) -> IO[bytes]:
+    if path == "-":
+        return open(sys.stdin.fileno(), "rb", closefd=False)
+    return open(path, "rb")
+
+
+def _decoded(lines: Iterable[bytes], name: str) -> Iterator[str]:
+    """Lines as text, decoded one by one, so a bad byte is named by its line."""
+    for lineno, raw in enumerate(lines, 1):
+        try:
+            yield raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise WorkloadError(f"{name}: line {lineno}: not UTF-8 text") from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,221 @@
+"""`kvreuse simulate --replicas N --policy P [--policy Q …] [--shared-tier-capacity TOKENS] …`.
+
+The fleet options of `kvreuse simulate` (`add_fleet_arguments`) and the run they ask for
+(`run_fleet`): the workload on N replicas of the geometry behind the router, once per policy.
+Prints one table comparing the policies (or `--json`) and writes to `--out`: `fleet.json` (every
+run's summary), `fleet.md` (the table) and `fleet-requests-POLICY.jsonl` (a row per request, as
+requests finish). Exit codes as `kvreuse simulate`'s: 0 done and reconciled, 1 a failed
+reconciliation or requests that exceed the cache, 2 bad input or a missing extra, 130 Ctrl-C.
+
+This module imports neither the router nor the simulation until a fleet runs, so a command
+line without the `events` extra can still offer (and refuse, in one line) the options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvreuse.core import ConfigError
+from kvreuse.deployment import Deployment, GeometryError, preset, resolve
+from kvreuse.fleet import DEFAULT_LOAD_WEIGHT, POLICIES, TEXT_MATCH_THRESHOLD
+from kvreuse.sim.cli import with_pool
+from kvreuse.sim.cost import CostModel
+from kvreuse.sim.progress import Progress
+from kvreuse.sim.run import SimulationError
+from kvreuse.sim.workload import WorkloadError, WorkloadRequest, load_workload
+from kvreuse.sim.workload_cli import int_range, number
+
+INTERRUPTED = 130
+MAX_REPLICAS = 1024
+
+
+def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the fleet options to `kvreuse simulate`'s parser."""
+    g = parser.add_argument_group("fleet: several replicas behind a router (docs/fleet.md)")
+    g.add_argument(
+        "--replicas",
+        type=int_range(1, MAX_REPLICAS),
+        default=argparse.SUPPRESS,  # absent unless given: no "(default: None)" in --help
+        metavar="N",
+        help="simulate N replicas of the geometry behind a router",
+    )
+    g.add_argument(
+        "--policy",
+        action="append",
+        choices=POLICIES,
+        default=argparse.SUPPRESS,
+        help="routing policy (repeat to compare several side by side; default: exact)",
+    )
+    g.add_argument(
+        "--shared-tier-capacity",
+        type=int_range(1, 2**62),
+        default=argparse.SUPPRESS,
+        metavar="TOKENS",
+        help="a shared pool of TOKENS every replica reads (a global cache; attention-only)",
+    )
+    g.add_argument(
+        "--load-weight",
+        type=number(0, 1e9),
+        default=DEFAULT_LOAD_WEIGHT,
+        help="routing cost: prefill tokens one token of a replica's load is worth",
+    )
+    g.add_argument(
+        "--text-match-threshold",
+        type=number(0, 1),
+        default=TEXT_MATCH_THRESHOLD,
+        help="text-prefix: the share of the prompt a match must cover to route by it",
+    )
+
+
+def fleet_requested(args: argparse.Namespace) -> bool:
+    """Whether any fleet option was given (then `run_fleet` handles the command)."""
+    return any(hasattr(args, name) for name in ("replicas", "policy", "shared_tier_capacity"))
+
+
+def _fail(message: object, code: int = 2) -> int:
+    print(f"kvreuse simulate: {message}", file=sys.stderr)
+    return code
+
+
+def _inputs(args: argparse.Namespace) -> tuple[Deployment, list[WorkloadRequest]]:
+    if args.preset:
+        if len(args.files) != 1:
+            raise GeometryError("with --geometry, give only the workload file")
+        dep, path = preset(args.preset), Path(args.files[0])
+    else:
+        if len(args.files) != 2:
+            raise GeometryError("give GEOMETRY.toml and WORKLOAD.jsonl (or --geometry NAME)")
+        dep, path = resolve(Path(args.files[0])), Path(args.files[1])
+    try:
+        with path.open(encoding="utf-8") as lines:  # read line by line, never whole
+            workload = load_workload(lines)
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise WorkloadError(f"{path}: cannot read the workload file ({why})") from None
+    except WorkloadError as exc:
+        raise WorkloadError(f"{path}: {exc}") from None
+    if not workload:
+        raise WorkloadError(f"{path}: no requests (write one with kvreuse workload KIND)")
+    return with_pool(dep, args.num_blocks, args.capacity_tokens), workload
+
+
+def _outputs(out: Path, policies: list[str]) -> list[Path]:
+    """The files a run writes, checked writable before it starts."""
+    if out.exists() and not out.is_dir():
+        raise OSError(f"--out {out}: exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OSError(f"--out {out}: cannot create the directory ({exc.strerror})") from None
+    paths = [out / "fleet.json", out / "fleet.md"]
+    paths += [out / f"fleet-requests-{p}.jsonl" for p in policies]
+    for path in paths:
+        if path.exists() and not path.is_file():
+            raise OSError(f"--out {out}: {path.name} exists and is not a file")
+    return paths
+
+
+def _check_fleet(args: argparse.Namespace, dep: Deployment, policies: list[str]) -> None:
+    """Options that depend on the geometry, refused before any run (one line each)."""
+    from kvreuse.fleet.policy import make_policy
+    from kvreuse.fleet.tier import SharedTier
+
+    for policy in policies:
+        make_policy(policy, dep.cache.geometry)
+    if args.shared_tier_capacity is not None:
+        SharedTier(dep.cache.geometry, args.shared_tier_capacity)
+
+
+def run_fleet(args: argparse.Namespace) -> int:
+    """`kvreuse simulate` with the fleet options: one run per policy, one comparison table."""
+    if getattr(args, "replicas", None) is None:
+        return _fail("--policy and --shared-tier-capacity need --replicas N")
+    args.policy = getattr(args, "policy", None)
+    args.shared_tier_capacity = getattr(args, "shared_tier_capacity", None)
+    policies = list(dict.fromkeys(args.policy or ["exact"]))
+    try:
+        dep, workload = _inputs(args)
+        cost = CostModel.for_deployment(
+            dep,
+            prefill_tokens_per_s=args.prefill_tokens_per_s,
+            decode_step_s=args.decode_step_s,
+        )
+        paths = _outputs(args.out, policies)
+        _check_fleet(args, dep, policies)
+    except ModuleNotFoundError as exc:
+        return _fail(
+            f"a fleet needs {exc.name}, which is not installed: pip install -e '.[events]'"
+        )
+    except (GeometryError, WorkloadError, ConfigError, OSError, ValueError) as exc:
+        return _fail(exc)
+    from kvreuse.fleet.sim import FleetOptions, simulate_fleet
+    from kvreuse.fleet.summary import comparison_table
+
+    progress = Progress(not args.quiet and sys.stderr.isatty())
+    summaries: list[dict[str, Any]] = []
+    for policy, rows_path in zip(policies, paths[2:], strict=True):
+        options = FleetOptions(
+            replicas=args.replicas,
+            policy=policy,
+            load_weight=args.load_weight,
+            shared_tier_tokens=args.shared_tier_capacity,
+            cost=cost,
+            draft_accept_rate=args.draft_accept_rate,
+            router_options=(("text_threshold", args.text_match_threshold),),
+        )
+        start = time.perf_counter()
+        with rows_path.open("w", encoding="utf-8") as rows:
+
+            def write(row: dict[str, Any], f: Any = rows) -> None:
+                f.write(json.dumps(row) + "\n")
+
+            try:
+                with progress.phase(policy, len(workload), "req") as on_progress:
+                    summary, _ = simulate_fleet(dep, workload, options, write, on_progress)
+            except KeyboardInterrupt:
+                return _fail(
+                    f"interrupted during the {policy} run; its finished requests are in "
+                    f"{rows_path}",
+                    INTERRUPTED,
+                )
+            except (WorkloadError, SimulationError) as exc:  # found only when a prompt resolved
+                return _fail(exc)
+        summary["wall_seconds"] = round(time.perf_counter() - start, 3)
+        summaries.append(summary)
+    return _report(args, dep, workload, summaries, comparison_table(summaries), paths)
+
+
+def _report(
+    args: argparse.Namespace,
+    dep: Deployment,
+    workload: list[WorkloadRequest],
+    summaries: list[dict[str, Any]],
+    table: str,
+    paths: list[Path],
+) -> int:
+    head = (
+        f"{dep.name} × {args.replicas} replicas, {len(workload):,} requests"
+        + (
+            f", shared tier {args.shared_tier_capacity:,} tokens"
+            if args.shared_tier_capacity
+            else ""
+        )
+        + f", load weight {args.load_weight:g}"
+    )
+    doc = {"geometry": dep.name, "replicas": args.replicas, "runs": summaries}
+    paths[0].write_text(json.dumps(doc, indent=2) + "\n")
+    paths[1].write_text(f"# Fleet simulation\n\n{head}\n\n```\n{table}\n```\n")
+    print(json.dumps(doc, indent=2) if args.json else f"{head}\n{table}\noutputs in {args.out}/")
+    failed = [s["policy"] for s in summaries if not s["reconciled"]]
+    too_large = next((s["too_large"] for s in summaries if s["too_large"]["count"]), None)
+    if too_large:
+        ids = ", ".join(too_large["ids"])
+        return _fail(f"{too_large['count']:,} requests exceed a replica's cache: {ids}", 1)
+    if failed:
+        return _fail(f"reconciliation failed for {', '.join(failed)} (see fleet.json)", 1)
+    return 0

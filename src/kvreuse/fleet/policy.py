@@ -1,0 +1,268 @@
+"""Routing policies, behind one interface (`Policy`).
+
+    round-robin      each replica in turn; looks at nothing
+    least-loaded     the fewest queued + running tokens
+    text-prefix      a prefix tree of the prompts routed to each replica, as Ray Serve's
+                     PrefixCacheAffinityRouter keeps (text in, no cache events)
+    attention-chain  what a router that indexes the attention group sees (Dynamo's KV router,
+                     llm-d, …): the longest contiguous chain of attention blocks on each mirror
+    exact            the core's own lookup rules run on each mirror: the tokens the replica
+                     would really reuse
+
+`attention-chain` and `exact` minimise the cost `(prompt − predicted) + load_weight × load`
+(`cheapest`). Every prediction is capped at the request's `top`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvreuse.core import Geometry, compute_lookup
+from kvreuse.events import attention_group
+from kvreuse.fleet import POLICIES, TEXT_MATCH_THRESHOLD
+from kvreuse.fleet.query import FleetView, Query
+
+# Ray Serve's PrefixCacheAffinityRouter defaults besides the match threshold: its queue
+# imbalance fallback is off (an infinite threshold) and its prefix tree evicts nothing.
+TEXT_IMBALANCE = math.inf
+
+Choice = tuple[int, list[int] | None, list[float] | None]  # replica, predictions, costs
+
+
+class Policy(Protocol):
+    name: str
+
+    def added(self, index: int) -> None:
+        """A replica joined the fleet at `index`."""
+        ...
+
+    def choose(self, view: FleetView, query: Query) -> Choice:
+        """The replica for `query`, the cached tokens predicted on each replica (None when the
+        policy does not predict) and the costs it compared (None when it compared none)."""
+        ...
+
+    def routed(self, index: int, query: Query) -> None:
+        """`query` was sent to replica `index`."""
+        ...
+
+
+def cheapest(view: FleetView, query: Query, predicted: Sequence[int]) -> tuple[int, list[float]]:
+    """The replica of lowest `(prompt − predicted) + load_weight × load`; ties go to the lower
+    load, then the lower index."""
+    w, loads, n = view.load_weight, view.load_tokens, query.num_tokens
+    costs = [n - p + w * load for p, load in zip(predicted, loads, strict=True)]
+    best = min(range(len(costs)), key=lambda r: (costs[r], loads[r], r))
+    return best, costs
+
+
+def least_loaded(view: FleetView, candidates: Sequence[int] | None = None) -> int:
+    """The candidate with the fewest load tokens, then requests, then the lowest index."""
+    loads, counts = view.load_tokens, view.num_requests
+    pool = range(len(loads)) if candidates is None else candidates
+    return min(pool, key=lambda r: (loads[r], counts[r], r))
+
+
+class RoundRobin:
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def added(self, index: int) -> None:
+        pass
+
+    def choose(self, view: FleetView, query: Query) -> Choice:
+        return self.next % len(view.names), None, None
+
+    def routed(self, index: int, query: Query) -> None:
+        self.next = index + 1
+
+
+class LeastLoaded:
+    name = "least-loaded"
+
+    def added(self, index: int) -> None:
+        pass
+
+    def choose(self, view: FleetView, query: Query) -> Choice:
+        return least_loaded(view), None, None
+
+    def routed(self, index: int, query: Query) -> None:
+        pass
+
+
+class TextPrefix:
+    """Ray Serve's PrefixCacheAffinityRouter, on tokens instead of characters.
+
+    Each replica has a prefix tree of the prompts routed to it (inserted when routed; the tree
+    never hears of evictions). A request goes, when queue lengths differ by at most
+    `imbalance`, to the replicas of longest match if the match covers at least `threshold` of
+    the prompt, else to the replicas of smallest tree; among those, the one with the fewest
+    requests. With imbalanced queues it goes to the least loaded (Ray draws a power-of-two pair).
+
+    The tree holds the request's chain hashes, so it matches at the hash unit (a character tree
+    matches up to the character) and, because the chain covers the LoRA and the salt, per
+    adapter and tenant. `capacity_tokens` bounds each tree (least recently routed first, a
+    prefix after its extensions); None keeps everything, Ray's default.
+    """
+
+    name = "text-prefix"
+
+    def __init__(
+        self,
+        threshold: float = TEXT_MATCH_THRESHOLD,
+        imbalance: float = TEXT_IMBALANCE,
+        capacity_tokens: int | None = None,
+        unit: int = 1,
+    ) -> None:
+        if not (isinstance(threshold, int | float) and 0 <= threshold <= 1):
+            raise ValueError(f"text-prefix: threshold must be in [0, 1], got {threshold!r}")
+        if not (isinstance(imbalance, int | float) and imbalance >= 0):
+            raise ValueError(f"text-prefix: imbalance must be ≥ 0, got {imbalance!r}")
+        if capacity_tokens is not None and not (
+            type(capacity_tokens) is int and capacity_tokens >= 1
+        ):
+            raise ValueError(
+                f"text-prefix: capacity_tokens must be an int ≥ 1, got {capacity_tokens!r}"
+            )
+        self.threshold, self.imbalance = threshold, imbalance
+        self.capacity_units = None if capacity_tokens is None else max(1, capacity_tokens // unit)
+        self.trees: list[OrderedDict[int, None]] = []  # per replica, least recent first
+
+    def added(self, index: int) -> None:
+        self.trees.append(OrderedDict())
+
+    def choose(self, view: FleetView, query: Query) -> Choice:
+        keys, u, top = query.keys, query.unit, query.top
+        matches = []
+        for tree in self.trees:
+            k = 0
+            for key in keys:
+                if key not in tree:
+                    break
+                k += 1
+            matches.append(k)
+        predicted = [min(k * u, top) for k in matches]
+        counts = view.num_requests
+        if max(counts) - min(counts) > self.imbalance:
+            return least_loaded(view), predicted, None
+        best = max(matches)
+        if best * u >= self.threshold * query.num_tokens:
+            candidates = [r for r, k in enumerate(matches) if k == best]
+        else:
+            sizes = [len(t) for t in self.trees]
+            smallest = min(sizes)
+            candidates = [r for r, s in enumerate(sizes) if s == smallest]
+        loads = view.load_tokens
+        return min(candidates, key=lambda r: (counts[r], loads[r], r)), predicted, None
+
+    def routed(self, index: int, query: Query) -> None:
+        tree = self.trees[index]
+        for key in reversed(query.keys):  # a prefix ends more recent than its extensions
+            tree[key] = None
+            tree.move_to_end(key)
+        cap = self.capacity_units
+        if cap is not None:
+            while len(tree) > cap:
+                tree.popitem(last=False)
+
+
+class AttentionChain:
+    """The longest contiguous run of the request's blocks in each mirror's attention group,
+    ignoring every other group (recurrent states, sliding windows, drafters)."""
+
+    name = "attention-chain"
+
+    def __init__(self, geo: Geometry) -> None:
+        try:
+            self.gid = attention_group(geo).group_id
+        except ValueError:
+            raise ValueError("attention-chain needs a full-attention group") from None
+
+    def added(self, index: int) -> None:
+        pass
+
+    def choose(self, view: FleetView, query: Query) -> Choice:
+        keys, u = query.keys, query.unit
+        limit = query.top // u
+        predicted = []
+        for mirror in view.mirrors:
+            entries = mirror.entries(self.gid)
+            k = 0
+            while k < limit and keys[k] in entries:
+                k += 1
+            predicted.append(k * u)
+        index, costs = cheapest(view, query, predicted)
+        return index, predicted, costs
+
+    def routed(self, index: int, query: Query) -> None:
+        pass
+
+
+class Exact:
+    """The core's lookup (`compute_lookup`) on each mirror: what each replica would reuse.
+
+    A replica that holds none of the request's first attention page cannot reuse a token
+    (every hit needs full attention's covering entry in that page), so its lookup is skipped:
+    with many replicas most hold nothing of a given request."""
+
+    name = "exact"
+
+    def __init__(self, geo: Geometry) -> None:
+        try:
+            g = attention_group(geo)
+            self.gid: int | None = g.group_id
+            self.first_page = g.page_size // geo.hash_unit  # units in the first page
+        except ValueError:
+            self.gid, self.first_page = None, 0
+
+    def added(self, index: int) -> None:
+        pass
+
+    def choose(self, view: FleetView, query: Query) -> Choice:
+        geo, rid, chain, n = view.geometry, query.request_id, query.chain, query.num_tokens
+        if query.top == 0:
+            predicted = [0] * len(view.mirrors)
+        else:
+            gid = self.gid
+            head = query.keys[: self.first_page] if gid is not None else []
+            predicted = []
+            for mirror in view.mirrors:
+                if gid is not None:
+                    entries = mirror.entries(gid)
+                    if not any(key in entries for key in head):
+                        predicted.append(0)
+                        continue
+                predicted.append(compute_lookup(geo, mirror, rid, chain, n).hit)
+        index, costs = cheapest(view, query, predicted)
+        return index, predicted, costs
+
+    def routed(self, index: int, query: Query) -> None:
+        pass
+
+
+def make_policy(
+    policy: str | Policy,
+    geo: Geometry,
+    *,
+    text_threshold: float = TEXT_MATCH_THRESHOLD,
+    text_imbalance: float = TEXT_IMBALANCE,
+    text_capacity_tokens: int | None = None,
+) -> Policy:
+    """A policy by name (`POLICIES`), or `policy` itself when it is already one."""
+    if not isinstance(policy, str):
+        return policy
+    if policy == "round-robin":
+        return RoundRobin()
+    if policy == "least-loaded":
+        return LeastLoaded()
+    if policy == "text-prefix":
+        return TextPrefix(text_threshold, text_imbalance, text_capacity_tokens, geo.hash_unit)
+    if policy == "attention-chain":
+        return AttentionChain(geo)
+    if policy == "exact":
+        return Exact(geo)
+    raise ValueError(f"unknown routing policy {policy!r}; choose from {', '.join(POLICIES)}")

@@ -1,0 +1,177 @@
+"""A router over several replicas: a mirror of each replica's cache, each replica's load, and
+one policy (`kvreuse.fleet.policy`) that picks where a request goes.
+
+The router hashes a request once (`Router.query`, with the hasher the replicas use) and every
+policy reads that one chain for every replica. A replica's mirror is a
+`kvreuse.events.ReplicaMirror`, kept current either in-process (`Router.apply` with the wire
+events `Converter.convert` makes of a core's `take_events()`: what the fleet simulator does) or
+by a `kvreuse.events.Subscriber` that owns it:
+
+    router = Router(config, "exact")
+    for name, endpoint in replicas:
+        router.add_replica(name, subscriber.add_replica(name, config.geometry, endpoint))
+    subscriber.poll(); router.set_load(i, tokens, requests)
+    decision = router.route(router.query(tokens, request_id=rid))
+
+Loads are the caller's to set (`set_load`): queued + running tokens, and requests.
+
+Cost (policies `attention-chain` and `exact`), lowest wins, ties to the lower load then index:
+
+    cost_r = (prompt tokens − predicted cached tokens on r) + load_weight × load_tokens_r
+
+`load_weight` says how many prefill tokens one token of load is worth. At 1 it is the cost
+Dynamo's KV router minimises by default (prefill blocks plus active blocks, in tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvreuse.core import TOKEN_TYPECODE, CacheConfig, Geometry, KVCacheManager, MultiModalItem
+from kvreuse.events import ReplicaMirror, attention_group
+from kvreuse.events.wire import WireEvent
+from kvreuse.fleet import DEFAULT_LOAD_WEIGHT
+from kvreuse.fleet.policy import Policy, make_policy
+from kvreuse.fleet.query import ChainHasher, Query
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where a request goes, and what the policy expected there.
+
+    `predicted[r]`: the cached tokens the policy predicts on replica r (capped at the request's
+    `top`), or None for a policy that looks at no cache (round-robin, least-loaded). `costs[r]`:
+    the cost it minimised, when it minimised one."""
+
+    index: int
+    replica: str
+    policy: str
+    num_tokens: int
+    top: int
+    predicted: tuple[int, ...] | None
+    costs: tuple[float, ...] | None = None
+
+    @property
+    def predicted_cached(self) -> int | None:
+        """The prediction for the chosen replica."""
+        return None if self.predicted is None else self.predicted[self.index]
+
+
+def chain_hasher(config: CacheConfig) -> ChainHasher:
+    """The hasher a replica of `config` hashes requests with (algorithm, unit, lookahead, seed),
+    from a manager of the same configuration shrunk to two blocks: the hasher depends on none of
+    the sizes, and a router should not allocate a replica's pool to hash."""
+    return KVCacheManager(replace(config, num_blocks=2, enable_events=False)).hasher
+
+
+class Router:
+    """Mirrors, loads and a policy; `route` picks a replica for a request."""
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        policy: str | Policy = "exact",
+        *,
+        load_weight: float = DEFAULT_LOAD_WEIGHT,
+        **policy_options: Any,
+    ) -> None:
+        """`policy_options`: `text_threshold`, `text_imbalance`, `text_capacity_tokens` (see
+        `kvreuse.fleet.policy.TextPrefix`)."""
+        if isinstance(load_weight, bool) or not (
+            isinstance(load_weight, int | float) and math.isfinite(load_weight) and load_weight >= 0
+        ):
+            raise ValueError(f"load_weight must be a finite number ≥ 0, got {load_weight!r}")
+        self.config = config
+        self.geometry: Geometry = config.geometry
+        self.hasher = chain_hasher(config)
+        self.load_weight = float(load_weight)
+        self.policy = make_policy(policy, self.geometry, **policy_options)
+        self.names: list[str] = []
+        self.mirrors: list[ReplicaMirror] = []
+        self.load_tokens: list[int] = []
+        self.num_requests: list[int] = []
+
+    # ------------------------------------------------------------------ replicas
+    def add_replica(self, name: str, mirror: ReplicaMirror | None = None) -> ReplicaMirror:
+        """Follow a replica; `mirror` is one a `Subscriber` keeps current (default: a new one,
+        fed through `apply`). Returns the mirror."""
+        if name in self.names:
+            raise ValueError(f"replica {name!r} is already routed to")
+        if mirror is None:
+            mirror = ReplicaMirror(self.geometry, _default_group(self.geometry))
+        elif mirror.geometry != self.geometry:
+            raise ValueError(f"replica {name!r}: its mirror has another geometry than the router")
+        self.names.append(name)
+        self.mirrors.append(mirror)
+        self.load_tokens.append(0)
+        self.num_requests.append(0)
+        self.policy.added(len(self.names) - 1)
+        return mirror
+
+    def index(self, name: str) -> int:
+        try:
+            return self.names.index(name)
+        except ValueError:
+            raise KeyError(f"unknown replica {name!r}; routed to: {self.names}") from None
+
+    def apply(self, replica: int, events: list[WireEvent]) -> None:
+        """Apply a replica's wire events to its mirror (the in-process path)."""
+        self.mirrors[replica].apply(events)
+
+    def set_load(self, replica: int, load_tokens: int, num_requests: int) -> None:
+        """The replica's queued + running tokens and requests, as the caller sees them now."""
+        self.load_tokens[replica] = load_tokens
+        self.num_requests[replica] = num_requests
+
+    # ------------------------------------------------------------------ requests
+    def query(
+        self,
+        tokens: Sequence[int],
+        *,
+        request_id: str = "",
+        lora: tuple[str, str] | None = None,
+        cache_salt: str | None = None,
+        mm_items: Sequence[MultiModalItem] = (),
+    ) -> Query:
+        """Hash a request once, as its replica will (same tokens and extra keys, same chain)."""
+        if not (type(tokens) is array and tokens.typecode == TOKEN_TYPECODE):
+            try:
+                tokens = array(TOKEN_TYPECODE, tokens)
+            except (OverflowError, TypeError):
+                raise ValueError("token ids must be ints in [0, 2**32)") from None
+        if not tokens:
+            raise ValueError("a request to route needs at least one token")
+        try:
+            chain = self.hasher.chain(lora=lora, mm_items=mm_items, cache_salt=cache_salt)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"request {request_id!r}: {exc}") from None
+        chain.extend(tokens)
+        return Query(request_id, chain, len(tokens), self.geometry.hash_unit)
+
+    def route(self, query: Query) -> Decision:
+        """Pick a replica for `query` with the policy, from the mirrors and loads as they are."""
+        if not self.names:
+            raise ValueError("no replica to route to: add_replica first")
+        index, predicted, costs = self.policy.choose(self, query)
+        self.policy.routed(index, query)
+        return Decision(
+            index=index,
+            replica=self.names[index],
+            policy=self.policy.name,
+            num_tokens=query.num_tokens,
+            top=query.top,
+            predicted=None if predicted is None else tuple(predicted),
+            costs=None if costs is None else tuple(costs),
+        )
+
+
+def _default_group(geo: Geometry) -> int:
+    """Where a mirror puts events without `group_idx` (legacy publishers): the attention group."""
+    try:
+        return attention_group(geo).group_id
+    except ValueError:
+        return 0

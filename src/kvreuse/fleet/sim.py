@@ -1,0 +1,299 @@
+"""N simulated replicas behind the router, on one simulated clock.
+
+Each replica is what `kvreuse simulate` runs for one: its own `KVCacheManager` and `Scheduler`
+with the simulator's `FakeEngine`, stepped under the same cost model. The run is a queue of
+events in time: a request becomes ready (arrival, dependencies finished) and the router picks its
+replica from the mirrors and loads as they stand at that moment; a replica that has work and is
+idle starts a step, which the core computes at once but whose effects are seen by the rest of
+the fleet only when it ends (`start + step time`): its KV events reach the router's mirror
+(through `Converter.convert`, the live path's conversion, then `ReplicaMirror.apply`), its
+finished requests release their dependents, and its units reach the shared tier. At equal times
+step ends come before arrivals, so a request sees every step that ended by then.
+
+A replica's load, as the router sees it: the prompt tokens of requests routed to it and not yet
+admitted plus the tokens (prompt and output so far) of its running requests, and the number of
+those requests, as of its last step.
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvreuse.core import KVCacheManager, Request
+from kvreuse.deployment import Deployment
+from kvreuse.events import Converter
+from kvreuse.events.wire import BlockRemoved, BlockStored, WireEvent
+from kvreuse.fleet import DEFAULT_LOAD_WEIGHT
+from kvreuse.fleet.feed import FleetFeeder
+from kvreuse.fleet.router import Router
+from kvreuse.fleet.summary import FleetTally, Track, balance, prediction, reconcile, too_large
+from kvreuse.fleet.tier import SharedTier
+from kvreuse.sched import FakeEngine, Scheduler, Seq
+from kvreuse.sim.cost import CostMeter, CostModel
+from kvreuse.sim.run import SimulationError
+from kvreuse.sim.workload import WorkloadRequest
+
+Row = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class FleetOptions:
+    """What a fleet run varies besides the deployment and the workload."""
+
+    replicas: int
+    policy: str = "exact"
+    load_weight: float = DEFAULT_LOAD_WEIGHT
+    shared_tier_tokens: int | None = None
+    cost: CostModel = field(default_factory=CostModel)
+    draft_accept_rate: float = 0.7
+    router_options: tuple[tuple[str, Any], ...] = ()  # text_threshold, text_imbalance, …
+
+    def __post_init__(self) -> None:
+        if type(self.replicas) is not int or not 1 <= self.replicas <= 1024:
+            raise ValueError(f"--replicas must be an int in [1, 1024], got {self.replicas!r}")
+
+
+@dataclass(slots=True)
+class _Queued:
+    request: Request
+    max_tokens: int
+
+
+class _Replica:
+    """One simulated replica and the effects of its step in flight."""
+
+    def __init__(self, index: int, dep: Deployment, cost: CostModel, accept_rate: float) -> None:
+        self.index = index
+        self.mgr = KVCacheManager(replace(dep.cache, enable_events=True))
+        self.meter = CostMeter(FakeEngine(accept_rate=accept_rate), cost)
+        self.sched = Scheduler(self.mgr, self.meter, dep.sched)
+        self.converter = Converter(self.mgr.geo)
+        self.queue: deque[_Queued] = deque()  # routed, not yet handed to the scheduler
+        self.queue_tokens = 0
+        self.busy = False
+        self.events: list[WireEvent] = []  # the step in flight's, seen when it ends
+        self.done: list[Seq] = []
+        self.admitted: list[str] = []
+        self.num_removed = 0  # entries the published removals took away, so far
+        self.peak_used = 0
+
+    def has_work(self) -> bool:
+        return bool(self.queue) or self.sched.has_work()
+
+
+def simulate_fleet(
+    dep: Deployment,
+    workload: list[WorkloadRequest],
+    options: FleetOptions,
+    sink: Callable[[Row], None] | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> tuple[dict[str, Any], list[Row]]:
+    """Run `workload` on `options.replicas` replicas of `dep`; returns the summary and the rows
+    (in workload order; empty when they went to `sink` as requests finished)."""
+    kept: list[Row] = []
+    run = _FleetRun(dep, workload, options, kept.append if sink is None else sink)
+    was = gc.isenabled()
+    gc.disable()  # as `kvreuse simulate` does: no cycles are built, and collections cost time
+    try:
+        run.loop(on_progress)
+    finally:
+        if was:
+            gc.enable()
+    return run.summary(), kept
+
+
+class _FleetRun:
+    def __init__(
+        self,
+        dep: Deployment,
+        workload: list[WorkloadRequest],
+        options: FleetOptions,
+        sink: Callable[[Row], None],
+    ) -> None:
+        self.dep, self.workload, self.options = dep, workload, options
+        self.router = Router(
+            dep.cache,
+            options.policy,
+            load_weight=options.load_weight,
+            **dict(options.router_options),
+        )
+        self.replicas = [
+            _Replica(i, dep, options.cost, options.draft_accept_rate)
+            for i in range(options.replicas)
+        ]
+        for rep in self.replicas:
+            self.router.add_replica(f"r{rep.index}")
+        self.feeder = FleetFeeder(workload, dep.max_model_len)
+        cap = options.shared_tier_tokens
+        self.tier = None if cap is None else SharedTier(dep.cache.geometry, cap)
+        self.tally = FleetTally(options.replicas, sink)
+        self.tracks: dict[str, Track] = {}
+        self.heap: list[tuple[float, int, int]] = []  # (end time, tie-break, replica)
+        self.num_events = 0
+        self.clock = 0.0
+        self.num_steps = 0
+
+    def loop(self, on_progress: Callable[[int, int], None] | None) -> None:
+        heap, feeder, total = self.heap, self.feeder, len(self.workload)
+        while True:
+            t_arrival = feeder.next_arrival()
+            if heap and (t_arrival is None or heap[0][0] <= t_arrival):
+                t, _, r = heapq.heappop(heap)
+                self.clock = t
+                self._end_step(self.replicas[r], t)
+                if on_progress is not None:
+                    on_progress(self.tally.num_rows, total)
+            elif t_arrival is not None:
+                self.clock = max(self.clock, t_arrival)
+            else:
+                break
+            self._route_ready(self.clock)
+            for rep in self.replicas:
+                if not rep.busy and rep.has_work():
+                    self._step(rep, self.clock)
+        if self.tally.num_rows < total:
+            left = total - self.tally.num_rows
+            raise SimulationError(f"{left} requests wait on requests that never finish")
+
+    def _route_ready(self, now: float) -> None:
+        router, tier = self.router, self.tier
+        for i, since, tokens in self.feeder.release(now):
+            w = self.workload[i]
+            query = router.query(
+                tokens, request_id=w.request_id, lora=w.lora, cache_salt=w.cache_salt
+            )
+            decision = router.route(query)
+            r = decision.index
+            rep = self.replicas[r]
+            request = Request(w.request_id, tokens, lora=w.lora, cache_salt=w.cache_salt)
+            rep.queue.append(_Queued(request, w.max_tokens))
+            rep.queue_tokens += len(tokens)
+            router.set_load(r, router.load_tokens[r] + len(tokens), router.num_requests[r] + 1)
+            self.tracks[w.request_id] = Track(
+                index=i,
+                replica=r,
+                since=since,
+                predicted=decision.predicted_cached,
+                removed_at_route=rep.num_removed,
+                keys=None if tier is None else query.keys,
+                top=query.top,
+            )
+
+    def _step(self, rep: _Replica, now: float) -> None:
+        sched, tracks = rep.sched, self.tracks
+        limit = sched.config.max_num_seqs
+        while rep.queue and len(sched.waiting) < limit:
+            q = rep.queue.popleft()
+            sched.add(q.request, q.max_tokens)
+            rep.queue_tokens -= len(q.request.prompt_token_ids)
+        st = sched.step()
+        self.num_steps += 1
+        end = now + rep.meter.step_time(st.num_prefill_tokens, st.num_decode_tokens)
+        rep.peak_used = max(rep.peak_used, st.num_used_blocks)
+        for rid in st.admitted:
+            track = tracks[rid]
+            if track.admitted_at is None:
+                track.admitted_at = now
+                if self.tier is not None and track.keys is not None:
+                    seq = sched.seqs[rid]
+                    local = seq.cached_tokens or 0
+                    track.tier_tokens = max(0, self.tier.match(track.keys, track.top) - local)
+                    track.keys = None
+        for seq in sched.running:
+            if seq.output:
+                track = tracks[seq.request_id]
+                if track.first_token_at is None:
+                    track.first_token_at = end
+        rep.done = [sched.pop_finished(rid) for rid in (*st.finished, *st.rejected)]
+        rep.admitted = st.admitted
+        rep.events = rep.converter.convert(rep.mgr.take_events())
+        tokens = sum(s.prompt_len for s in sched.waiting) + sum(s.num_tokens for s in sched.running)
+        requests = len(sched.waiting) + len(sched.running) + len(rep.queue)
+        self.router.set_load(rep.index, tokens + rep.queue_tokens, requests)
+        rep.busy = True
+        self.num_events += 1
+        heapq.heappush(self.heap, (end, self.num_events, rep.index))
+
+    def _end_step(self, rep: _Replica, t: float) -> None:
+        rep.busy = False
+        events, rep.events = rep.events, []
+        if events:
+            tier = self.tier
+            for ev in events:
+                if isinstance(ev, BlockRemoved):
+                    rep.num_removed += len(ev.block_hashes)
+                elif (
+                    tier is not None
+                    and isinstance(ev, BlockStored)
+                    and ev.group_idx == tier.group_id
+                ):
+                    tier.write(ev.block_hashes)
+            self.router.apply(rep.index, events)
+        for rid in rep.admitted:
+            track = self.tracks[rid]
+            if track.evicted is None:  # removals up to the end of the step that admitted it
+                track.evicted = rep.num_removed > track.removed_at_route
+        rep.admitted = []
+        for seq in rep.done:
+            self.feeder.finished(seq, t)
+            self.tally.finish(seq, self.tracks.pop(seq.request_id), t)
+        rep.done = []
+
+    def summary(self) -> dict[str, Any]:
+        tally, options, reps = self.tally, self.options, self.replicas
+        prompt, cached = sum(tally.prompt_tokens), sum(tally.cached)
+        managers = [rep.mgr for rep in reps]
+        checks = reconcile(tally, managers, self.router.mirrors, len(self.workload))
+        tier = None
+        if self.tier is not None:
+            extra = sum(tally.tier_tokens)
+            tier = {
+                "capacity_tokens": self.tier.capacity_tokens,
+                "tier_tokens": extra,
+                "hit_rate_with_tier": (cached + extra) / prompt if prompt else 0.0,
+                "units_written": self.tier.num_written,
+                "units_evicted": self.tier.num_evicted,
+            }
+        per_replica = []
+        for rep, mgr in zip(reps, managers, strict=True):
+            r, m = rep.index, mgr.metrics()
+            per_replica.append(
+                {
+                    "replica": f"r{r}",
+                    "requests": tally.requests[r],
+                    "prompt_tokens": tally.prompt_tokens[r],
+                    "cached_tokens": tally.cached[r],
+                    "hit_rate": tally.cached[r] / tally.prompt_tokens[r]
+                    if tally.prompt_tokens[r]
+                    else 0.0,
+                    "evicted_blocks": m["kv_blocks_evicted_total"],
+                    "peak_usage": rep.peak_used / (mgr.config.num_blocks - 1),
+                }
+            )
+        timed = tally.num_timed
+        return {
+            "policy": options.policy,
+            "replicas": options.replicas,
+            "load_weight": options.load_weight,
+            "requests": tally.num_rows,
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "hit_rate": cached / prompt if prompt else 0.0,
+            "shared_tier": tier,
+            "balance": balance(tally.prompt_tokens),
+            "prediction": prediction(tally),
+            "per_replica": per_replica,
+            "ttft_mean_s": round(tally.ttft_sum / timed, 6) if timed else None,
+            "queue_mean_s": round(tally.queue_sum / timed, 6) if timed else None,
+            "preemptions": tally.preemptions,
+            "simulated_seconds": round(self.clock, 6),
+            "steps": self.num_steps,
+            "too_large": too_large(tally),
+            "reconciliation": checks,
+            "reconciled": all(checks.values()),
+        }

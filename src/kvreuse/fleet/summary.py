@@ -1,0 +1,214 @@
+"""What a fleet run reports: fleet and per-replica hit rates, the load balance (spread of routed
+prompt tokens: max / mean and the coefficient of variation), predicted vs delivered cached
+tokens, and one table comparing policies side by side.
+
+Rows leave in workload order as requests finish (a sink writes them), so a run keeps totals,
+not rows.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvreuse.core import KVCacheManager
+from kvreuse.events import ReplicaMirror, hash64
+from kvreuse.sched import Seq
+
+NAMED_TOO_LARGE = 10
+
+
+@dataclass(slots=True)
+class Track:
+    """A routed request, from its routing to its finish."""
+
+    index: int  # in the workload
+    replica: int
+    since: float  # ready (arrived, dependencies finished)
+    predicted: int | None  # the policy's prediction for the chosen replica
+    removed_at_route: int  # the replica's removals so far when it was routed
+    keys: list[int] | None  # its units' keys, kept for the shared tier until admission
+    top: int
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    tier_tokens: int = 0
+    evicted: bool | None = None  # did the replica remove entries between routing and admission
+
+
+class FleetTally:
+    """Totals over finished requests; rows go to `sink` in workload order."""
+
+    def __init__(self, num_replicas: int, sink: Callable[[dict[str, Any]], None]) -> None:
+        self.sink = sink
+        self.waiting: dict[int, dict[str, Any]] = {}  # finished rows, until their turn
+        self.next_row = 0
+        self.num_rows = 0
+        zeros = [0] * num_replicas
+        self.requests, self.prompt_tokens, self.cached = zeros[:], zeros[:], zeros[:]
+        self.tier_tokens, self.admitted, self.admitted_prompt = zeros[:], zeros[:], zeros[:]
+        self.preemptions = 0
+        self.num_predicted = self.abs_error = self.num_over = self.over_tokens = 0
+        self.max_over = self.num_under = self.clean_mismatch = self.clean_over = 0
+        self.ttft_sum = self.queue_sum = 0.0
+        self.num_timed = 0
+        self.too_large: list[str] = []
+        self.num_too_large = 0
+
+    def finish(self, seq: Seq, track: Track, t: float) -> None:
+        r = track.replica
+        cached = seq.stats.cached_tokens if seq.stats else 0
+        rejected = seq.finish_reason == "too_large"
+        self.requests[r] += 1
+        self.prompt_tokens[r] += seq.prompt_len
+        self.cached[r] += cached
+        self.preemptions += seq.preemptions
+        if seq.cached_tokens is not None:  # admitted: the core counted it
+            self.admitted[r] += 1
+            self.admitted_prompt[r] += seq.prompt_len
+            self.tier_tokens[r] += track.tier_tokens
+            if track.predicted is not None:
+                self._predicted(track.predicted, cached, bool(track.evicted))
+        queue_s = ttft_s = None
+        if rejected:
+            self.num_too_large += 1
+            if len(self.too_large) < NAMED_TOO_LARGE:
+                self.too_large.append(seq.request_id)
+        elif track.admitted_at is not None:
+            queue_s = track.admitted_at - track.since
+            # no first token recorded: it came in the step that finished the request
+            ttft_s = (track.first_token_at or t) - track.since
+            self.num_timed += 1
+            self.queue_sum += queue_s
+            self.ttft_sum += ttft_s
+        row = {
+            "id": seq.request_id,
+            "replica": f"r{r}",
+            "prompt_tokens": seq.prompt_len,
+            "cached_tokens": cached,
+            "predicted_tokens": track.predicted,
+            "tier_tokens": track.tier_tokens,
+            "evicted_before_admission": track.evicted,
+            "reason": seq.stats.reason if seq.stats else "not_admitted",
+            "output_tokens": len(seq.output),
+            "preemptions": seq.preemptions,
+            "finish_reason": seq.finish_reason,
+            "queue_s": None if queue_s is None else round(queue_s, 6),
+            "ttft_estimate_s": None if ttft_s is None else round(ttft_s, 6),
+        }
+        self.waiting[track.index] = row
+        while self.next_row in self.waiting:
+            self.sink(self.waiting.pop(self.next_row))
+            self.next_row += 1
+        self.num_rows += 1
+
+    def _predicted(self, predicted: int, delivered: int, evicted: bool) -> None:
+        self.num_predicted += 1
+        error = predicted - delivered
+        self.abs_error += abs(error)
+        if error > 0:
+            self.num_over += 1
+            self.over_tokens += error
+            self.max_over = max(self.max_over, error)
+        elif error < 0:
+            self.num_under += 1
+        if not evicted and error:
+            self.clean_mismatch += 1
+            self.clean_over += error > 0
+
+
+def balance(routed: Sequence[int]) -> dict[str, Any]:
+    """Spread of the prompt tokens routed to each replica: max / mean and the coefficient of
+    variation (population standard deviation / mean); 1 and 0 are a perfect balance."""
+    mean = sum(routed) / len(routed) if routed else 0
+    return {
+        "routed_prompt_tokens": list(routed),
+        "max_over_mean": round(max(routed) / mean, 4) if mean else None,
+        "cv": round(statistics.pstdev(routed) / mean, 4) if mean else None,
+    }
+
+
+def _mirror_matches(mgr: KVCacheManager, mirror: ReplicaMirror) -> bool:
+    """The router's mirror holds exactly the replica's resident entries (wire keys)."""
+    resident: dict[int, dict[int, int]] = {g.group_id: {} for g in mgr.geo.groups}
+    for gid, boundary, key, _kind, _block in mgr.export_entries():
+        resident[gid][hash64(key)] = boundary
+    return all(mirror.entries(gid) == entries for gid, entries in resident.items())
+
+
+def reconcile(
+    tally: FleetTally,
+    managers: Sequence[KVCacheManager],
+    mirrors: Sequence[ReplicaMirror],
+    total: int,
+) -> dict[str, bool]:
+    """Per replica: Σ cached == Δ hits and Σ admitted prompts == Δ queries (exact), the core's
+    audit, and the mirror equal to the replica's entries; every request finished."""
+    checks = {"every_request_finished": tally.num_rows == total}
+    for r, mgr in enumerate(managers):
+        c = mgr.counters
+        checks[f"r{r}_cached_tokens_equal_hits"] = tally.cached[r] == c["prefix_cache_hits"]
+        checks[f"r{r}_prompts_equal_queries"] = (
+            tally.admitted_prompt[r] == c["prefix_cache_queries"]
+        )
+        checks[f"r{r}_admitted_equal_requests"] = tally.admitted[r] == c["prefix_cache_requests"]
+        try:
+            mgr.check_invariants()
+            checks[f"r{r}_invariants"] = True
+        except AssertionError:
+            checks[f"r{r}_invariants"] = False
+        checks[f"r{r}_mirror_equals_replica"] = _mirror_matches(mgr, mirrors[r])
+    return checks
+
+
+def prediction(tally: FleetTally) -> dict[str, Any] | None:
+    """Predicted vs delivered cached tokens over the admitted requests (None: the policy does
+    not predict). `*_without_eviction`: requests whose replica removed nothing between their
+    routing and the end of the step that admitted them."""
+    n = tally.num_predicted
+    if not n:
+        return None
+    return {
+        "requests": n,
+        "mean_abs_error_tokens": round(tally.abs_error / n, 3),
+        "over_predicted": tally.num_over,
+        "over_predicted_tokens": tally.over_tokens,
+        "max_over_prediction_tokens": tally.max_over,
+        "under_predicted": tally.num_under,
+        "mismatched_without_eviction": tally.clean_mismatch,
+        "over_predicted_without_eviction": tally.clean_over,
+    }
+
+
+def too_large(tally: FleetTally) -> dict[str, Any]:
+    return {"count": tally.num_too_large, "ids": tally.too_large}
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1%}"
+
+
+def comparison_table(summaries: Sequence[dict[str, Any]]) -> str:
+    """One row per policy: reuse, balance, prediction error, the TTFT estimate."""
+    tier = any(s["shared_tier"] for s in summaries)
+    head = f"{'policy':<16} {'hit rate':>8} " + (f"{'+ tier':>8} " if tier else "")
+    head += (
+        f"{'cached tokens':>14} {'max/mean':>8} {'CV':>6} {'pred. MAE':>10} {'over-pred.':>10} "
+        f"{'TTFT (s)':>9}"
+    )
+    lines = [head]
+    for s in summaries:
+        b, p = s["balance"], s["prediction"]
+        line = f"{s['policy']:<16} {_pct(s['hit_rate']):>8} "
+        if tier:
+            t = s["shared_tier"]
+            line += f"{_pct(t['hit_rate_with_tier'] if t else None):>8} "
+        mae = "—" if p is None else f"{p['mean_abs_error_tokens']:,.1f}"
+        over = "—" if p is None else f"{p['over_predicted']:,}"
+        ttft = "—" if s["ttft_mean_s"] is None else f"{s['ttft_mean_s']:.3f}"
+        mm = "—" if b["max_over_mean"] is None else f"{b['max_over_mean']:.2f}"
+        cv = "—" if b["cv"] is None else f"{b['cv']:.2f}"
+        line += f"{s['cached_tokens']:>14,} {mm:>8} {cv:>6} {mae:>10} {over:>10} {ttft:>9}"
+        lines.append(line)
+    return "\n".join(lines)

@@ -1,0 +1,292 @@
+"""Sweeps: one simulation per (geometry, cache capacity), run side by side.
+
+Each case is `kvreuse simulate` in-process on a copy of the geometry whose pool holds the
+case's capacity: C tokens become the blocks a geometry file's `capacity_tokens = C` asks for
+(`blocks_for_capacity`), and `inf` a pool no run of this workload can fill (nothing is ever
+evicted). Cases run on local worker processes (each parses the workload once), on a Ray
+cluster, or in this process, and every way gives the same rows: a case is a pure function of
+the workload, its geometry and its capacity.
+"""
+
+from __future__ import annotations
+
+import array
+import importlib
+import math
+import multiprocessing
+import re
+import signal
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvreuse.deployment import Deployment, blocks_for_capacity, check_num_blocks
+from kvreuse.sim.cost import CostModel
+from kvreuse.sim.feed import static_length
+from kvreuse.sim.run import SimulationError, simulate
+from kvreuse.sim.workload import WorkloadError, WorkloadRequest
+
+# Token counts are decimal, as trace papers and token prices count them: 1M = 10^6 tokens.
+UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
+UNLIMITED = ("inf", "unlimited")
+MAX_CAPACITY = 10**15  # far beyond any pool: a larger value is a typo
+_CAPACITY = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([kmg]?)")
+
+Row = dict[str, Any]
+OnCase = Callable[[int, int], None]  # (cases done, cases in all)
+
+
+class CaseError(RuntimeError):
+    """One case could not run; the message names the geometry and the capacity."""
+
+
+def parse_capacities(text: str) -> list[int | None]:
+    """'1M,3M,10M,50M,inf' → [1_000_000, 3_000_000, 10_000_000, 50_000_000, None]."""
+    out: list[int | None] = []
+    for part in text.split(","):
+        word = part.strip().lower()
+        if word in UNLIMITED:
+            value: int | None = None
+        else:
+            m = _CAPACITY.fullmatch(word)
+            value = round(float(m[1]) * UNITS[m[2]]) if m else 0
+            if not 1 <= value <= MAX_CAPACITY:
+                raise ValueError(
+                    f"capacity {part.strip()!r} is not a token count: use an integer or a number "
+                    f"with K, M or G (10^3, 10^6, 10^9 tokens) from 1 to 10^15, or inf"
+                )
+        if value in out:
+            raise ValueError(f"capacity {part.strip()!r} is given twice")
+        out.append(value)
+    return out
+
+
+def capacity_label(capacity: int | None) -> str:
+    """1000000 → '1M', 1500000 → '1.5M', 123 → '123', None → 'inf'."""
+    if capacity is None:
+        return "inf"
+    for unit, size in (("G", 10**9), ("M", 10**6), ("K", 10**3)):
+        if capacity >= size and (capacity * 1000) % size == 0:
+            return f"{capacity / size:g}{unit}"
+    return f"{capacity:,}"
+
+
+@dataclass(frozen=True)
+class Case:
+    label: str  # the geometry as the command line named it
+    geo: Deployment  # its pool sized for `capacity`
+    capacity: int | None  # tokens; None: unlimited
+
+
+def cases_for(
+    geometries: list[tuple[str, Deployment]],
+    capacities: list[int | None],
+    workload: list[WorkloadRequest],
+) -> list[Case]:
+    """Every (geometry, capacity), geometries outermost; a pool too large for this machine is a
+    ValueError naming the case."""
+    lengths: list[int] | None = None
+    out = []
+    for label, geo in geometries:
+        for capacity in capacities:
+            if capacity is None:
+                lengths = lengths if lengths is not None else request_lengths(workload)
+                blocks = unlimited_blocks(geo, lengths)
+            else:
+                blocks = blocks_for_capacity(geo.cache, capacity)
+            check_num_blocks(blocks, f"{label} at capacity {capacity_label(capacity)}")
+            sized = replace(geo, cache=replace(geo.cache, num_blocks=blocks))
+            out.append(Case(label, sized, capacity))
+    return out
+
+
+def request_lengths(workload: list[WorkloadRequest]) -> list[int]:
+    """Per request, a bound on the tokens it ever holds: its prompt (a quoted history counts
+    that request's bound) plus max_tokens."""
+    bound: dict[str, int] = {}
+    out = []
+    for w in workload:
+        n = _prompt_bound(w.prompt, bound) + w.max_tokens
+        bound[w.request_id] = n
+        out.append(n)
+    return out
+
+
+def _prompt_bound(prompt: Any, bound: dict[str, int]) -> int:
+    kind, value = next(iter(prompt.items()))
+    if kind == "history":
+        return bound[value]
+    if kind == "concat":
+        return sum(_prompt_bound(part, bound) for part in value)
+    n = static_length(prompt)
+    if n is None:  # every other kind has its length in the line
+        raise WorkloadError(f"prompt kind {kind!r} has no length known before the run")
+    return n
+
+
+def unlimited_blocks(geo: Deployment, lengths: list[int]) -> int:
+    """A pool larger than every block this workload's requests can ever take from it, so no
+    entry is ever evicted: per request, its attention pages plus one copy-on-write page per
+    attention group, and per recurrent group its slots plus two states per unit it computes
+    (rolling, planned and dense saves land on distinct unit boundaries)."""
+    cache = geo.cache
+    g = cache.geometry
+    spec = geo.sched.num_spec_tokens  # a decode step's draft slots
+    num_attention = sum(1 for grp in g.groups if grp.is_attention)
+    num_recurrent = len(g.groups) - num_attention
+    total = 1
+    for n in lengths:
+        total += cache.blocks_for_request(n, spec) + num_attention
+        total += num_recurrent * (2 * (-(-n // g.hash_unit)) + 8)
+    return total
+
+
+def run_case(case: Case, workload: list[WorkloadRequest], draft_accept_rate: float) -> Row:
+    """The case's simulation and its row (CaseError if it cannot run)."""
+    ttft = array.array("d")
+
+    def collect(row: Row) -> None:
+        if row["ttft_estimate_s"] is not None:
+            ttft.append(row["ttft_estimate_s"])
+
+    cost = CostModel.for_deployment(case.geo)
+    start = time.perf_counter()
+    try:
+        result = simulate(case.geo, workload, cost, None, draft_accept_rate, sink=collect)
+    except (WorkloadError, SimulationError, ValueError) as exc:
+        where = f"{case.label} at capacity {capacity_label(case.capacity)}"
+        raise CaseError(f"{where}: {exc}") from None
+    s = result.summary
+    times = sorted(ttft)
+    return {
+        "geometry": case.label,
+        "capacity_tokens": case.capacity,
+        "num_blocks": case.geo.cache.num_blocks,
+        "requests": s["requests"],
+        "prompt_tokens": s["queries"],
+        "cached_tokens": s["hits"],
+        "hit_rate": s["hit_rate"],
+        "prefill_tokens": s["prefill_tokens_computed"],
+        "prefill_seconds": s.get("prefill_seconds"),
+        "saved_states": s.get("saved_states"),
+        "simulated_seconds": s["simulated_seconds"],
+        "ttft_p50_s": percentile(times, 50),
+        "ttft_p90_s": percentile(times, 90),
+        "ttft_p99_s": percentile(times, 99),
+        "preemptions": s["preemptions"],
+        "evicted_blocks": s["evicted_blocks"],
+        "peak_usage": s["peak_usage"],
+        "too_large": s["too_large"]["count"],
+        "reconciled": s["reconciled"],
+        "wall_s": round(time.perf_counter() - start, 3),
+    }
+
+
+def percentile(ordered: Any, q: float) -> float | None:
+    """The nearest-rank q-th percentile of ascending values (None for none)."""
+    if not len(ordered):
+        return None
+    return float(ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)])
+
+
+# ---------------------------------------------------------------------------- running cases
+_WORKLOAD: list[WorkloadRequest] = []  # a worker process's copy, set once by its initializer
+
+
+def _init_worker(workload: list[WorkloadRequest]) -> None:
+    # Ctrl-C is the parent's to handle: it stops the workers itself
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    global _WORKLOAD
+    _WORKLOAD = workload
+
+
+def _run_in_worker(case: Case, draft_accept_rate: float) -> Row:
+    return run_case(case, _WORKLOAD, draft_accept_rate)
+
+
+def run_cases(
+    cases: list[Case],
+    workload: list[WorkloadRequest],
+    jobs: int,
+    draft_accept_rate: float = 0.7,
+    on_case: OnCase | None = None,
+    done: list[Row] | None = None,
+) -> list[Row]:
+    """Every case's row, in case order: in this process (jobs = 1) or on `jobs` worker
+    processes. Rows finished so far are appended to `done` as they come (what an interrupted
+    sweep still has)."""
+    done = [] if done is None else done
+    rows: dict[int, Row] = {}
+    for i, row in _completions(cases, workload, jobs, draft_accept_rate):
+        rows[i] = row
+        done.append(row)
+        if on_case is not None:
+            on_case(len(rows), len(cases))
+    return [rows[i] for i in range(len(cases))]
+
+
+def _completions(
+    cases: list[Case], workload: list[WorkloadRequest], jobs: int, rate: float
+) -> Iterator[tuple[int, Row]]:
+    if jobs <= 1 or len(cases) <= 1:
+        for i, case in enumerate(cases):
+            yield i, run_case(case, workload, rate)
+        return
+    # fork where there is one: the workers get the parsed workload without copying it
+    methods = multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if "fork" in methods else None)
+    pool = ProcessPoolExecutor(
+        min(jobs, len(cases)), context, initializer=_init_worker, initargs=(workload,)
+    )
+    try:
+        futures = {pool.submit(_run_in_worker, case, rate): i for i, case in enumerate(cases)}
+        for future in as_completed(futures):
+            yield futures[future], future.result()
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        for child in multiprocessing.active_children():  # the pool's workers: stop them now
+            child.terminate()
+        raise
+    pool.shutdown()
+
+
+def run_cases_on_ray(
+    cases: list[Case],
+    workload: list[WorkloadRequest],
+    address: str | None,
+    draft_accept_rate: float = 0.7,
+    on_case: OnCase | None = None,
+    done: list[Row] | None = None,
+) -> list[Row]:
+    """`run_cases` as Ray tasks: on the cluster at `address`, or a local one (None). The
+    workload goes to the object store once; every node needs kvreuse installed."""
+    ray = importlib.import_module("ray")  # optional (the `ray` extra): typed as Any
+
+    done = [] if done is None else done
+    ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+    task = ray.remote(num_cpus=1)(run_case)
+    shared = ray.put(workload)
+    refs = {task.remote(case, shared, draft_accept_rate): i for i, case in enumerate(cases)}
+    rows: dict[int, Row] = {}
+    pending = list(refs)
+    try:
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            i = refs[ready[0]]
+            try:
+                rows[i] = ray.get(ready[0])
+            except ray.exceptions.RayTaskError as exc:  # the task's own error, not Ray's wrapper
+                cause = exc.cause
+                if isinstance(cause, CaseError):
+                    raise CaseError(str(cause)) from None
+                raise CaseError(f"a Ray task failed: {cause!r}") from None
+            done.append(rows[i])
+            if on_case is not None:
+                on_case(len(rows), len(cases))
+    except BaseException:
+        for ref in pending:
+            ray.cancel(ref, force=True)
+        raise
+    return [rows[i] for i in range(len(cases))]

@@ -1,0 +1,312 @@
+"""`kvreuse sweep WORKLOAD.jsonl --geometry A --geometry B --capacity 1M,3M,inf --out DIR`.
+
+Every (geometry, capacity) is one `kvreuse simulate` run, in parallel on local processes
+(`--jobs`, default: every core) or as Ray tasks (`--ray [ADDRESS]`). Prints one table and writes
+DIR/sweep.md (the table and the plots), DIR/sweep.json (every case's figures) and, unless
+--no-plots, DIR/hit_rate_vs_capacity.png and DIR/prefill_time.png. Exit codes: 0 done; 1 a
+case failed reconciliation or has requests that exceed its cache; 2 bad input; 130 Ctrl-C
+(the finished cases are kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+from kvreuse.core import ConfigError
+from kvreuse.deployment import Deployment, GeometryError, resolve
+from kvreuse.sim.cost import CostModel
+from kvreuse.sim.progress import Progress
+from kvreuse.sim.sweep import (
+    CaseError,
+    Row,
+    capacity_label,
+    cases_for,
+    parse_capacities,
+    run_cases,
+    run_cases_on_ray,
+)
+from kvreuse.sim.workload import WorkloadError, WorkloadRequest, load_workload
+from kvreuse.sim.workload_cli import int_range
+
+DEFAULT_CAPACITIES = "1M,3M,10M,50M,inf"
+PLOTS = ("hit_rate_vs_capacity.png", "prefill_time.png")
+OUTPUTS = ("sweep.md", "sweep.json", *PLOTS)
+LOCAL_RAY = ""  # --ray without an address: start a local Ray instance
+INTERRUPTED = 130
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "sweep",
+        help="simulate a workload on several geometries and cache capacities",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("workload", type=Path, metavar="WORKLOAD", help="a workload JSONL file")
+    p.add_argument(
+        "--geometry",
+        action="append",
+        required=True,
+        metavar="GEOMETRY",
+        help="a preset or a .toml geometry file; repeat for each geometry to compare",
+    )
+    p.add_argument(
+        "--capacity",
+        default=DEFAULT_CAPACITIES,
+        help="comma-separated cache capacities in tokens: integers, K/M/G = 10^3/10^6/10^9 "
+        "tokens, inf = unlimited (nothing is ever evicted)",
+    )
+    p.add_argument("--out", type=Path, required=True, help="output folder (created if missing)")
+    p.add_argument(
+        "--jobs",
+        type=int_range(1, 1024),
+        default=_cores(),
+        help="cases run at once on local processes (1: one after another, in this process)",
+    )
+    p.add_argument(
+        "--ray",
+        nargs="?",
+        const=LOCAL_RAY,
+        default=None,
+        metavar="ADDRESS",
+        help="run the cases as Ray tasks: on the cluster at ADDRESS, or a local one "
+        "(needs pip install 'kvreuse[ray]')",
+    )
+    p.add_argument(
+        "--draft-accept-rate",
+        type=float,
+        default=0.7,
+        help="with num_spec_tokens > 0: probability that each draft token is accepted",
+    )
+    p.add_argument("--json", action="store_true", help="print sweep.json instead of the table")
+    p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib)")
+    p.set_defaults(func=run)
+
+
+def _fail(message: object, code: int = 2) -> int:
+    print(f"kvreuse sweep: {message}", file=sys.stderr)
+    return code
+
+
+def _geometries(specs: list[str]) -> list[tuple[str, Deployment]]:
+    out: list[tuple[str, Deployment]] = []
+    for spec in specs:
+        if any(label == spec for label, _ in out):
+            raise GeometryError(f"--geometry {spec} is given twice")
+        out.append((spec, resolve(spec)))
+    return out
+
+
+def _load(path: Path) -> list[WorkloadRequest]:
+    try:
+        with path.open(encoding="utf-8") as lines:
+            workload = load_workload(lines)
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise WorkloadError(f"{path}: cannot read the workload file ({why})") from None
+    except WorkloadError as exc:
+        raise WorkloadError(f"{path}: {exc}") from None
+    if not workload:
+        raise WorkloadError(f"{path}: no requests (write one with kvreuse workload KIND)")
+    return workload
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """Everything that can be found out before a case runs."""
+    if not 0 <= args.draft_accept_rate <= 1:
+        raise ValueError(f"--draft-accept-rate must be in [0, 1], got {args.draft_accept_rate}")
+    if args.ray is not None and find_spec("ray") is None:
+        raise ValueError(
+            "--ray needs the ray package, which is not installed: pip install 'kvreuse[ray]'"
+        )
+    if not args.no_plots and find_spec("matplotlib") is None:
+        raise ValueError(
+            "the plots need matplotlib, which is not installed: "
+            "pip install -e '.[sim]' (or pass --no-plots)"
+        )
+    out = args.out
+    if out.exists() and not out.is_dir():
+        raise OSError(f"--out {out}: exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OSError(f"--out {out}: cannot create the directory ({exc.strerror})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise OSError(f"--out {out}: the directory is not writable")
+    for name in OUTPUTS:
+        path = out / name
+        if path.exists() and (not path.is_file() or not os.access(path, os.W_OK)):
+            raise OSError(f"--out {out}: {name} exists and cannot be overwritten")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        capacities = parse_capacities(args.capacity)
+        _check_options(args)
+        geometries = _geometries(args.geometry)
+        workload = _load(args.workload)
+        cases = cases_for(geometries, capacities, workload)
+    except (GeometryError, ConfigError, WorkloadError, OSError, ValueError) as exc:
+        return _fail(exc)
+    progress = Progress(not args.quiet and sys.stderr.isatty())
+    done: list[Row] = []
+    try:
+        with progress.phase(f"{len(cases)} cases", len(cases), "case") as on_case:
+            if args.ray is not None:
+                address = args.ray or None
+                rows = run_cases_on_ray(
+                    cases, workload, address, args.draft_accept_rate, on_case, done
+                )
+            else:
+                rows = run_cases(cases, workload, args.jobs, args.draft_accept_rate, on_case, done)
+    except CaseError as exc:
+        return _fail(exc)
+    except ConnectionError as exc:  # Ray could not reach ADDRESS
+        return _fail(f"--ray {args.ray}: {exc}")
+    except KeyboardInterrupt:
+        _write(args, geometries, capacities, done, interrupted=True)
+        return _fail(
+            f"interrupted after {len(done)} of {len(cases)} cases; they are in "
+            f"{args.out}/sweep.json",
+            INTERRUPTED,
+        )
+    doc = _write(args, geometries, capacities, rows, interrupted=False)
+    print(json.dumps(doc, indent=2) if args.json else "\n".join(sweep_table(rows)))
+    return _verdict(rows)
+
+
+def _verdict(rows: list[Row]) -> int:
+    failed = [_name(r) for r in rows if not r["reconciled"]]
+    if failed:
+        return _fail(f"reconciliation failed in {', '.join(failed)}", 1)
+    too_large = [f"{_name(r)} ({r['too_large']:,})" for r in rows if r["too_large"]]
+    if too_large:
+        return _fail(
+            f"requests exceed the cache in {', '.join(too_large)}; their tokens count as not "
+            "cached: raise those capacities",
+            1,
+        )
+    return 0
+
+
+def _name(row: Row) -> str:
+    return f"{row['geometry']} at {capacity_label(row['capacity_tokens'])}"
+
+
+def _write(
+    args: argparse.Namespace,
+    geometries: list[tuple[str, Deployment]],
+    capacities: list[int | None],
+    rows: list[Row],
+    interrupted: bool,
+) -> dict[str, Any]:
+    out: Path = args.out
+    for name in PLOTS:  # an earlier sweep's plots would pass for this one's
+        (out / name).unlink(missing_ok=True)
+    doc = {
+        "workload": str(args.workload),
+        "geometries": [{"geometry": label, "cost": _cost_fields(geo)} for label, geo in geometries],
+        "capacities": [capacity_label(c) for c in capacities],
+        "interrupted": interrupted,
+        "cases": rows,
+    }
+    (out / "sweep.json").write_text(json.dumps(doc, indent=2) + "\n")
+    plots = not args.no_plots and not interrupted and bool(rows)
+    if plots:
+        from kvreuse.sim.sweep_plots import write_plots
+
+        write_plots(out, rows)
+    (out / "sweep.md").write_text(_report(args, rows, plots, interrupted))
+    return doc
+
+
+def _cost_fields(geo: Deployment) -> dict[str, float]:
+    model = CostModel.for_deployment(geo)
+    return {
+        "prefill_tokens_per_s": model.prefill_tokens_per_s,
+        "decode_step_s": model.decode_step_s,
+        "saved_state_s": model.saved_state_s,
+        "prefill_chunk_s": model.prefill_chunk_s,
+    }
+
+
+def _report(args: argparse.Namespace, rows: list[Row], plots: bool, interrupted: bool) -> str:
+    lines = [f"# Sweep of {args.workload}", ""]
+    if interrupted:
+        lines += ["**Interrupted**: only the cases that finished are here.", ""]
+    lines += [
+        *sweep_table(rows),
+        "",
+        "Capacity in tokens (1M = 10^6; inf: nothing is evicted) is the pool a geometry file's "
+        "`capacity_tokens` gives. Seconds are cost-model estimates (each geometry's [cost]); "
+        "TTFT percentiles are over the requests that produced a token.",
+    ]
+    if plots:
+        lines += ["", *(f"![{name}]({name})" for name in PLOTS)]
+    return "\n".join(lines) + "\n"
+
+
+def _seconds(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f}"
+
+
+def sweep_table(rows: list[Row]) -> list[str]:
+    """One Markdown table row per case (readable as is on a terminal)."""
+    head = (
+        "geometry",
+        "capacity",
+        "blocks",
+        "hit rate",
+        "Σ cached",
+        "prefill tokens",
+        "prefill s",
+        "TTFT p50 s",
+        "p90 s",
+        "p99 s",
+        "preemptions",
+        "evicted",
+    )
+    cells = [
+        (
+            r["geometry"],
+            capacity_label(r["capacity_tokens"]),
+            f"{r['num_blocks']:,}",
+            f"{100 * r['hit_rate']:.1f} %",
+            f"{r['cached_tokens']:,}",
+            f"{r['prefill_tokens']:,}",
+            _seconds(r["prefill_seconds"]),
+            _seconds(r["ttft_p50_s"]),
+            _seconds(r["ttft_p90_s"]),
+            _seconds(r["ttft_p99_s"]),
+            f"{r['preemptions']:,}",
+            f"{r['evicted_blocks']:,}",
+        )
+        for r in rows
+    ]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(head)]
+    left = {0, 1}  # text columns; the numbers align right
+
+    def line(values: tuple[str, ...]) -> str:
+        parts = [
+            v.ljust(w) if i in left else v.rjust(w)
+            for i, (v, w) in enumerate(zip(values, widths, strict=True))
+        ]
+        return "| " + " | ".join(parts) + " |"
+
+    rule = (
+        "|"
+        + "|".join("-" * (w + 1) + ("-" if i in left else ":") for i, w in enumerate(widths))
+        + "|"
+    )
+    return [line(head), rule, *(line(c) for c in cells)]

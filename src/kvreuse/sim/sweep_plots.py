@@ -1,0 +1,68 @@
+"""The sweep's plots (matplotlib, headless): hit rate and simulated prefill time against the
+cache capacity, one line per geometry, capacity on a log axis with `inf` drawn at its end."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from kvreuse.sim.sweep import Row, capacity_label
+
+
+def _positions(rows: list[Row]) -> tuple[dict[int | None, float], list[float], list[str]]:
+    """Where each capacity sits on the x axis, and the ticks: `inf` one decade past the
+    largest finite capacity (or at 1 when there is none)."""
+    finite = sorted({r["capacity_tokens"] for r in rows if r["capacity_tokens"] is not None})
+    where: dict[int | None, float] = {c: float(c) for c in finite}
+    if any(r["capacity_tokens"] is None for r in rows):
+        where[None] = 10.0 * finite[-1] if finite else 1.0
+    ticks = sorted(where.items(), key=lambda kv: kv[1])
+    return where, [x for _, x in ticks], [capacity_label(c) for c, _ in ticks]
+
+
+def write_plots(out: Path, rows: list[Row]) -> list[Path]:
+    """hit_rate_vs_capacity.png and prefill_time.png in `out`."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: write files only
+    import matplotlib.pyplot as plt
+
+    where, ticks, labels = _positions(rows)
+    geometries = list(dict.fromkeys(r["geometry"] for r in rows))
+    panels = (
+        ("hit_rate_vs_capacity.png", "hit rate (%)", "hit rate against cache capacity"),
+        ("prefill_time.png", "simulated prefill time (s)", "prefill time against cache capacity"),
+    )
+    paths = []
+    for name, ylabel, title in panels:
+        fig, ax = plt.subplots(figsize=(8.0, 4.5))
+        for geometry in geometries:
+            mine = sorted(
+                (where[r["capacity_tokens"]], r) for r in rows if r["geometry"] == geometry
+            )
+            xs = [x for x, _ in mine]
+            if name.startswith("hit_rate"):
+                ys = [100 * r["hit_rate"] for _, r in mine]
+            else:
+                ys = [
+                    math.nan if r["prefill_seconds"] is None else r["prefill_seconds"]
+                    for _, r in mine
+                ]
+            ax.plot(xs, ys, marker="o", label=geometry)
+        ax.set_xscale("log")
+        ax.set_xticks(ticks, labels)
+        ax.minorticks_off()
+        ax.set_xlabel("cache capacity (tokens)")
+        ax.set_ylabel(ylabel)
+        if name.startswith("hit_rate"):
+            ax.set_ylim(0, 100)
+        else:
+            ax.set_ylim(bottom=0)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        paths.append(out / name)
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+    return paths
