@@ -353,6 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_geometry(sub)
     _add_serve(sub)
     _add_qualify(sub)
+    from kvreuse.fleet.front_cli import add_parser as _add_fleet_front
+
+    _add_fleet_front(sub)  # `kvreuse fleet` and `kvreuse route`
     return parser
 
 

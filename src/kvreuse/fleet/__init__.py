@@ -9,6 +9,18 @@
     summary   hit rates, load balance, predicted vs delivered, the comparison table
     cli       `kvreuse simulate --replicas N --policy P …` (`add_fleet_arguments`, `run_fleet`)
 
+A live fleet behind one OpenAI endpoint (docs/fleet-serving.md):
+
+    front         the FastAPI front: tokenise as the replicas do, route, forward, record
+    dispatch      replicas up and down, retries on a failed connection, loads in flight
+    forward       relaying a replica's answer (streams included) and reading its usage
+    front_metrics per-replica routed, predicted and delivered cached tokens (Prometheus)
+    front_cli     `kvreuse fleet --replicas N` and `kvreuse route --replica URL,EVENTS`
+    replicas      starting and stopping local `kvreuse serve` replicas
+    ray_app       a Ray Serve application of `kvreuse serve` replicas (`ray` extra), with
+    ray_deploy    its deployment, ray_router (Ray's request-router API scoring by `Router`)
+    ray_shared    and what the two share
+
 The router and the simulation need the `events` extra (msgspec for the mirrors' wire events;
 pyzmq too when a `Subscriber` feeds them). This file imports nothing, so `kvreuse.fleet.cli`
 can offer the options without that extra.

@@ -1,0 +1,286 @@
+"""The front's routing state: the fleet `Router`, one KV event subscriber per replica, and what
+the front knows of each replica (up or down, requests and prompt tokens in flight).
+
+Threads: the front's event loop never touches a socket or a mirror. `route` (which polls the
+subscribers, may ask a replay socket, and runs the policy) runs in a worker thread under
+`_lock`; the in-flight counters have their own short lock, so finishing a request never waits
+for a routing decision.
+
+Freshness: a replica hands a step's events to its publisher before the step's tokens reach the
+client (kvreuse.serve.loop). Before routing, the front applies what has arrived and, for every
+replica that finished a request since the last decision, asks its replay socket for anything
+newer (`Subscriber.catch_up`), so the mirror includes the finished requests' entries.
+
+Load, as the policies read it: the prompt tokens of the requests in flight on the replica (routed,
+not yet answered) and their number. A replica that is down is never chosen: if the policy picks
+one, the request goes to the live replica the policy predicted most for, then the least loaded.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import zmq
+
+from kvreuse.core import CacheConfig
+from kvreuse.events import ReplicaMirror, Subscriber
+from kvreuse.fleet import DEFAULT_LOAD_WEIGHT
+from kvreuse.fleet.router import Decision, Router
+
+DOWN_LOAD = 1 << 60  # the load a down replica shows the policy: no cost can prefer it
+CATCH_UP_BACKOFF_S = 5.0  # after a replay socket did not answer, skip catch-ups for this long
+
+
+class NoReplica(RuntimeError):
+    """Every replica is down."""
+
+
+@dataclass
+class Member:
+    """A replica as the front sees it."""
+
+    index: int
+    name: str
+    url: str
+    endpoint: str  # its KV events, as the subscriber opened them (a bound :0 port resolved)
+    bind: bool | None
+    replay_endpoint: str | None = None
+    up: bool = True
+    why_down: str = ""
+    num_in_flight: int = 0
+    tokens_in_flight: int = 0
+    finished_since_sync: bool = False
+    catch_up_paused_until: float = 0.0
+    subscriber: Subscriber = field(default_factory=Subscriber, repr=False)
+
+
+@dataclass(frozen=True)
+class Routed:
+    """Where a request goes: the member, and the policy's decision (None when the request could
+    not be hashed: it then goes to the least loaded replica, which answers it)."""
+
+    member: Member
+    decision: Decision | None
+    num_tokens: int
+
+    @property
+    def predicted(self) -> int | None:
+        return None if self.decision is None else self.decision.predicted_cached
+
+
+class Dispatcher:
+    """Routes requests over the members with one policy."""
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        policy: str = "exact",
+        *,
+        load_weight: float = DEFAULT_LOAD_WEIGHT,
+        replay_timeout: float = 0.5,
+    ) -> None:
+        self.config = config
+        self.router = Router(config, policy, load_weight=load_weight)
+        self.replay_timeout = replay_timeout
+        self.members: list[Member] = []
+        self._lock = threading.Lock()
+        self._loads = threading.Lock()
+
+    # ------------------------------------------------------------------ members
+    def add(
+        self,
+        name: str,
+        url: str,
+        endpoint: str,
+        *,
+        replay_endpoint: str | None = None,
+        bind: bool | None = None,
+    ) -> Member:
+        """Follow a replica's KV events at `endpoint` (a wildcard binds, a specific address
+        connects; `bind` overrides) and route to it at `url` (filled in later when unknown)."""
+        with self._lock:
+            if any(m.name == name for m in self.members):
+                raise ValueError(f"replica {name!r} is given twice")
+            member = Member(len(self.members), name, url.rstrip("/"), endpoint, bind)
+            mirror = self._subscribe(member)
+            self.router.add_replica(name, mirror)
+            self.members.append(member)
+        if replay_endpoint is not None:
+            self.set_replay(member, replay_endpoint)
+        return member
+
+    def _subscribe(self, member: Member) -> ReplicaMirror:
+        sub = Subscriber(replay_timeout=self.replay_timeout)
+        mirror = sub.add_replica(
+            member.name, self.router.geometry, member.endpoint, bind=member.bind
+        )
+        stream = sub.stream(member.name)
+        if member.bind is not False and member.endpoint.endswith(":0"):
+            member.endpoint = stream.sub.getsockopt_string(zmq.LAST_ENDPOINT)
+        member.subscriber = sub
+        return mirror
+
+    def set_replay(self, member: Member, endpoint: str) -> None:
+        """Connect to the replica's replay socket (known only once a local replica started)."""
+        with self._lock:
+            stream = member.subscriber.stream(member.name)
+            if stream.replay is not None:
+                stream.replay.close(linger=0)
+            # Subscriber.add_replica connects the replay socket only at once; this is the same
+            # DEALER socket it would have made, attached later.
+            sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+            try:
+                sock.connect(endpoint)
+            except zmq.ZMQError as exc:
+                sock.close(linger=0)
+                why = f"replica {member.name}: replay endpoint {endpoint}: {exc}"
+                raise ValueError(why) from None
+            stream.replay = sock
+            member.replay_endpoint = endpoint
+            self._catch_up(member)
+
+    def mark_down(self, member: Member, why: str) -> None:
+        with self._loads:
+            member.up, member.why_down = False, why
+
+    def revive(self, member: Member) -> None:
+        """A replica that was down answers again: follow its events from scratch (a restarted
+        replica numbers its batches from 0 again and holds nothing)."""
+        with self._lock:
+            member.subscriber.close()
+            mirror = self._subscribe(member)
+            self.router.mirrors[member.index] = mirror
+            replay = member.replay_endpoint
+        if replay is not None:
+            self.set_replay(member, replay)
+        with self._loads:
+            member.up, member.why_down = True, ""
+
+    def close(self) -> None:
+        with self._lock:
+            for member in self.members:
+                member.subscriber.close()
+
+    # ------------------------------------------------------------------ requests
+    def route(
+        self,
+        tokens: Sequence[int],
+        *,
+        request_id: str = "",
+        cache_salt: str | None = None,
+        exclude: frozenset[int] = frozenset(),
+        count: bool = True,
+    ) -> Routed:
+        """Pick a replica (never one that is down or in `exclude`) and count the request in its
+        load at once, so concurrent decisions see it (unless `count` is false: the caller then
+        calls `begin` when the request is really sent). NoReplica when none is left."""
+        with self._lock:
+            self._sync()
+            try:
+                query = self.router.query(tokens, request_id=request_id, cache_salt=cache_salt)
+            except ValueError:
+                query = None
+            with self._loads:  # a snapshot: `done` never waits for the policy
+                usable = [m.up and m.index not in exclude for m in self.members]
+                loads = [(m.tokens_in_flight, m.num_in_flight) for m in self.members]
+            if not any(usable):
+                raise NoReplica("no replica is up: " + self._why_down())
+            for i, (tokens_in_flight, num_in_flight) in enumerate(loads):
+                self.router.set_load(i, tokens_in_flight if usable[i] else DOWN_LOAD, num_in_flight)
+            decision = None if query is None else self.router.route(query)
+            index = self._usable_choice(decision, usable, loads)
+            if decision is not None and index != decision.index:
+                decision = replace(decision, index=index, replica=self.members[index].name)
+            routed = Routed(self.members[index], decision, len(tokens))
+            if count:
+                self.begin(routed)
+        return routed
+
+    def begin(self, routed: Routed) -> None:
+        """The request was sent: it joins the replica's load."""
+        with self._loads:
+            routed.member.num_in_flight += 1
+            routed.member.tokens_in_flight += routed.num_tokens
+
+    def done(self, routed: Routed) -> None:
+        """The request's answer is complete (or failed): it leaves the replica's load."""
+        with self._loads:
+            member = routed.member
+            member.num_in_flight -= 1
+            member.tokens_in_flight -= routed.num_tokens
+            member.finished_since_sync = True
+
+    @staticmethod
+    def _usable_choice(
+        decision: Decision | None, usable: list[bool], loads: list[tuple[int, int]]
+    ) -> int:
+        """The policy's choice when usable; else the usable replica it predicted most for,
+        then the least loaded, then the lowest index."""
+        if decision is not None and usable[decision.index]:
+            return decision.index
+        predicted = None if decision is None else decision.predicted
+        return min(
+            (i for i, ok in enumerate(usable) if ok),
+            key=lambda i: (-(predicted[i] if predicted is not None else 0), loads[i][0], i),
+        )
+
+    def refresh(self) -> None:
+        """Apply what has arrived and ask every live replica's replay socket for anything newer:
+        PUB/SUB shows a lost batch only when a later one arrives, so a quiet replica is caught
+        up here (the front's health loop calls this)."""
+        with self._lock:
+            for member in self.members:
+                if member.up:
+                    member.subscriber.poll(0)
+                    if time.monotonic() >= member.catch_up_paused_until:
+                        self._catch_up(member)
+
+    def _sync(self) -> None:
+        """Apply the events that have arrived; catch up replicas that finished requests."""
+        now = time.monotonic()
+        for member in self.members:
+            if not member.up:
+                continue
+            member.subscriber.poll(0)
+            if member.finished_since_sync and now >= member.catch_up_paused_until:
+                self._catch_up(member)
+
+    def _catch_up(self, member: Member) -> None:
+        member.finished_since_sync = False
+        stream = member.subscriber.stream(member.name)
+        if stream.replay is None:
+            return
+        errors = len(stream.errors)
+        member.subscriber.catch_up(member.name)
+        if len(stream.errors) > errors:  # no answer: do not stall every decision on it
+            member.catch_up_paused_until = time.monotonic() + CATCH_UP_BACKOFF_S
+
+    def _why_down(self) -> str:
+        return "; ".join(f"{m.name}: {m.why_down or 'down'}" for m in self.members)
+
+    # ------------------------------------------------------------------ status
+    def status(self) -> list[dict[str, object]]:
+        """Per replica: where it is, whether it is up, its load and its event stream."""
+        out: list[dict[str, object]] = []
+        with self._lock, self._loads:
+            for m in self.members:
+                stream = m.subscriber.stream(m.name)
+                out.append(
+                    {
+                        "name": m.name,
+                        "url": m.url,
+                        "events": m.endpoint,
+                        "replay": m.replay_endpoint,
+                        "up": m.up,
+                        "why_down": m.why_down or None,
+                        "requests_in_flight": m.num_in_flight,
+                        "tokens_in_flight": m.tokens_in_flight,
+                        "event_batches": stream.num_batches,
+                        "event_gaps": stream.num_gaps,
+                        "mirror_exact": stream.exact,
+                    }
+                )
+        return out

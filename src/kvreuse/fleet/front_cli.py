@@ -1,0 +1,357 @@
+"""`kvreuse fleet` (N local `kvreuse serve` replicas and the routing front) and `kvreuse route`
+(the front over replicas started elsewhere). docs/fleet-serving.md has the guide.
+
+    kvreuse fleet --replicas 3 [--policy exact] [--geometry G] [--port 8000] [--fake] [-- SERVE…]
+    kvreuse route --replica URL,EVENTS[,REPLAY] … [--geometry G] [--policy exact]
+
+Exit codes: 0 after a clean shutdown (Ctrl-C or SIGTERM), 2 for a usage error or replicas that
+could not be started, 130 for Ctrl-C while the replicas start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from kvreuse.fleet import DEFAULT_LOAD_WEIGHT, POLICIES
+from kvreuse.sim.workload_cli import int_range
+
+MAX_REPLICAS = 64
+# Options `kvreuse fleet` sets on each replica itself; given after `--` they are refused.
+FLEET_OWNED: tuple[str, ...] = ("--host", "--port", "--metrics-port", "--metrics-host")
+FLEET_OWNED += ("--kv-events-endpoint", "--kv-events-replay-endpoint", "--kv-events-mode")
+# The fleet's own replica options: the front must know them (geometry, tokenizer).
+FLEET_OPTIONS = ("--geometry", "--model", "--fake", "--num-blocks", "--max-pending")
+
+
+class UsageError(ValueError):
+    """A bad option or replica; printed as one line, exit code 2."""
+
+
+def add_parser(sub: Any) -> None:
+    _add_fleet(sub)
+    _add_route(sub)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--policy", choices=POLICIES, default="exact", help="routing policy")
+    p.add_argument("--host", default="127.0.0.1", help="where the front listens")
+    p.add_argument("--port", type=int_range(0, 65535), default=8000, help="0: any free port")
+    p.add_argument(
+        "--load-weight",
+        type=float,
+        default=DEFAULT_LOAD_WEIGHT,
+        help="prefill tokens one token of a replica's load is worth (exact, attention-chain)",
+    )
+    p.add_argument(
+        "--health-interval", type=float, default=2.0, help="seconds between health checks"
+    )
+
+
+def _add_fleet(sub: Any) -> None:
+    p = sub.add_parser(
+        "fleet",
+        help="N local `kvreuse serve` replicas behind a cache-aware router",
+        description="Start N `kvreuse serve` replicas on 127.0.0.1 (free ports, KV events on "
+        "127.0.0.1) and an OpenAI-compatible router in front of them. Options after `--` go "
+        "to every replica (kvreuse serve --help).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--replicas", type=int_range(1, MAX_REPLICAS), required=True, metavar="N")
+    _common(p)
+    p.add_argument("--geometry", default=None, help="preset or TOML file of every replica")
+    p.add_argument("--model", default=None, help="replicas: model directory (default: tiny)")
+    p.add_argument("--fake", action="store_true", help="replicas: deterministic fake model")
+    p.add_argument("--num-blocks", type=int_range(2, 2**40), default=None, help="replicas' cache")
+    p.add_argument("--max-pending", type=int_range(1, 2**31), default=None, help="per replica")
+    p.add_argument(
+        "--start-timeout", type=float, default=180.0, help="seconds the replicas get to start"
+    )
+    p.add_argument("--quiet-replicas", action="store_true", help="drop the replicas' output")
+    p.add_argument("serve_args", nargs="*", metavar="SERVE_OPTION", help="after --: for serve")
+    p.set_defaults(func=_cmd_fleet)
+
+
+def _add_route(sub: Any) -> None:
+    p = sub.add_parser(
+        "route",
+        help="a cache-aware router in front of running replicas",
+        description="Route OpenAI requests over replicas started elsewhere: any server that "
+        "publishes vLLM-format KV events and reports usage.prompt_tokens_details.cached_tokens.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--replica",
+        action="append",
+        required=True,
+        metavar="URL,EVENTS[,REPLAY]",
+        help="a replica's base URL (http://host:port), its KV events endpoint and optionally "
+        "its replay endpoint; repeat per replica",
+    )
+    _common(p)
+    p.add_argument(
+        "--geometry", default=None, help="preset or TOML (default: the first replica's own)"
+    )
+    p.add_argument(
+        "--tokenizer", default=None, help="the replicas' tokenizer.json (default: bytes)"
+    )
+    p.set_defaults(func=_cmd_route)
+
+
+# ---------------------------------------------------------------------------- commands
+def _cmd_fleet(args: argparse.Namespace) -> int:
+    from kvreuse.fleet.replicas import LocalFleet, ReplicaError, ReplicaProcess
+
+    try:
+        _check_common(args)
+        serve_args = _replica_args(args)
+        config = _fleet_deployment(args).cache
+        tokenizer = _tokenizer(args.model, None)
+        dispatcher, sock = _open(args, config)
+    except (UsageError, ValueError, OSError) as exc:
+        return _usage("fleet", exc, args)
+    names = [f"replica-{i}" for i in range(args.replicas)]
+    members = [
+        dispatcher.add(n, "", "tcp://127.0.0.1:0", bind=True) for n in names
+    ]  # bound before the replicas start: their publishers connect here
+    procs = [
+        ReplicaProcess(n, m.endpoint, serve_args, quiet=args.quiet_replicas)
+        for n, m in zip(names, members, strict=True)
+    ]
+    fleet = LocalFleet(procs)
+    try:
+        fleet.start(args.start_timeout)
+        for member, proc in zip(members, procs, strict=True):
+            assert proc.url is not None and proc.replay_endpoint is not None
+            member.url = proc.url
+            dispatcher.set_replay(member, proc.replay_endpoint)
+        models = _check_replicas(dispatcher, config, required=True)
+        return _serve("fleet", args, dispatcher, tokenizer, models, sock)
+    except (ReplicaError, UsageError) as exc:
+        sock.close()
+        return _usage("fleet", exc)
+    finally:
+        fleet.stop()
+        dispatcher.close()
+
+
+def _cmd_route(args: argparse.Namespace) -> int:
+    try:
+        _check_common(args)
+        replicas = [_replica_spec(text) for text in args.replica]
+        if len({url for url, _, _ in replicas}) < len(replicas):
+            raise UsageError("--replica: a URL is given twice")
+        config = _route_deployment(args.geometry, replicas[0][0]).cache
+        tokenizer = _tokenizer(None, args.tokenizer)
+        dispatcher, sock = _open(args, config)
+    except (UsageError, ValueError, OSError) as exc:
+        return _usage("route", exc, args)
+    try:
+        for i, (url, events, replay) in enumerate(replicas):
+            dispatcher.add(f"replica-{i}", url, events, replay_endpoint=replay)
+        models = _check_replicas(dispatcher, config, required=False)
+        return _serve("route", args, dispatcher, tokenizer, models, sock)
+    except (UsageError, ValueError) as exc:
+        sock.close()
+        return _usage("route", exc)
+    finally:
+        dispatcher.close()
+
+
+def _usage(command: str, exc: BaseException, args: argparse.Namespace | None = None) -> int:
+    where = f" ({exc.strerror})" if isinstance(exc, OSError) and exc.strerror else ""
+    at = f" on {args.host}:{args.port}" if args is not None else ""
+    text = f"cannot listen{at}{where}" if where else str(exc)
+    print(f"kvreuse {command}: {text}", file=sys.stderr)
+    return 2
+
+
+def _open(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
+    """The dispatcher and the front's listening socket (bound first: a busy port fails fast)."""
+    from kvreuse.fleet.dispatch import Dispatcher
+    from kvreuse.serve.server import bind
+
+    if config.hash_algo != "sha256" and config.hash_seed is None:
+        raise UsageError(
+            f"the replicas hash with {config.hash_algo} and a random per-process seed, so no "
+            "router can compute their hashes: set hash_seed in the geometry"
+        )
+    sock = bind(args.host, args.port)
+    try:
+        return Dispatcher(config, args.policy, load_weight=args.load_weight), sock
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _serve(
+    command: str,
+    args: argparse.Namespace,
+    dispatcher: Any,
+    tokenizer: Any,
+    models: list[dict[str, Any]],
+    sock: Any,
+) -> int:
+    from kvreuse.fleet.front import create_front
+    from kvreuse.serve.server import run_server
+
+    app = create_front(dispatcher, tokenizer, models=models, health_interval=args.health_interval)
+    host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host
+    count = len(dispatcher.members)
+    print(
+        f"kvreuse {command}: {count} replica(s), policy {args.policy}, on http://{host}:{port}/v1",
+        file=sys.stderr,
+        flush=True,
+    )
+    return run_server(app, [sock], drain_timeout=5.0)
+
+
+# ---------------------------------------------------------------------------- checks
+def _check_common(args: argparse.Namespace) -> None:
+    w = args.load_weight
+    if not (math.isfinite(w) and w >= 0):
+        raise UsageError(f"--load-weight must be a finite number ≥ 0, got {w}")
+    if not (math.isfinite(args.health_interval) and args.health_interval > 0):
+        raise UsageError(f"--health-interval must be seconds > 0, got {args.health_interval}")
+    timeout = getattr(args, "start_timeout", 1.0)
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise UsageError(f"--start-timeout must be seconds > 0, got {timeout}")
+
+
+def _replica_args(args: argparse.Namespace) -> list[str]:
+    """What every replica gets: the fleet's replica options, then those after `--`."""
+    for arg in args.serve_args:
+        flag = arg.split("=", 1)[0]
+        if flag in FLEET_OWNED:
+            raise UsageError(f"{flag} is set by kvreuse fleet for each replica; leave it out")
+        if flag in FLEET_OPTIONS:
+            raise UsageError(f"{flag} is an option of kvreuse fleet: give it before --")
+    out: list[str] = []
+    if args.geometry is not None:
+        out += ["--geometry", args.geometry]
+    if args.model is not None:
+        out += ["--model", args.model]
+    if args.fake:
+        out.append("--fake")
+    if args.num_blocks is not None:
+        out += ["--num-blocks", str(args.num_blocks)]
+    if args.max_pending is not None:
+        out += ["--max-pending", str(args.max_pending)]
+    return out + list(args.serve_args)
+
+
+def _fleet_deployment(args: argparse.Namespace) -> Any:
+    return replica_deployment(args.geometry, args.fake, args.num_blocks)
+
+
+def replica_deployment(geometry: str | None, fake: bool, num_blocks: int | None) -> Any:
+    """The deployment `kvreuse serve` replicas run with these options: the geometry given, else
+    serve's default (the fake model's own, or the embedded model's)."""
+    from kvreuse.deployment import load_geometry, resolve
+
+    if geometry is not None:
+        dep = resolve(geometry)
+    elif fake:
+        from kvreuse.serve.backend import FAKE_GEOMETRY, FAKE_NAME
+
+        dep = load_geometry(FAKE_GEOMETRY, FAKE_NAME)
+    else:
+        dep = resolve(DEFAULT_ENGINE_GEOMETRY)
+    if num_blocks is not None:
+        dep = replace(dep, cache=replace(dep.cache, num_blocks=num_blocks))
+    return dep
+
+
+# `kvreuse.engine.LLM`'s default geometry; read from the replicas and compared at start, so a
+# change there shows as one clear error instead of wrong hashes.
+DEFAULT_ENGINE_GEOMETRY = "tiny-hybrid-dcp4"
+
+
+def _route_deployment(geometry: str | None, first_url: str) -> Any:
+    from kvreuse.deployment import resolve
+
+    if geometry is not None:
+        return resolve(geometry)
+    dep = _replica_geometry(first_url)
+    if dep is None:
+        raise UsageError(
+            f"cannot read the geometry of {first_url} (GET /kvreuse/geometry): pass --geometry"
+        )
+    return dep
+
+
+def _replica_geometry(url: str) -> Any:
+    """The deployment a kvreuse replica serves at /kvreuse/geometry, or None (another server,
+    or none there)."""
+    import httpx
+
+    from kvreuse.deployment import GeometryError, load_geometry
+
+    try:
+        resp = httpx.get(f"{url.rstrip('/')}/kvreuse/geometry", timeout=5.0)
+    except httpx.HTTPError:
+        return None
+    if resp.status_code != 200:
+        return None
+    try:
+        return load_geometry(resp.text, f"{url}/kvreuse/geometry")
+    except (GeometryError, ValueError):
+        return None
+
+
+def _check_replicas(dispatcher: Any, config: Any, required: bool) -> list[dict[str, Any]]:
+    """Every kvreuse replica must hash like the front (same geometry but for the pool size);
+    returns the model cards of the first replica that lists them."""
+    import httpx
+
+    models: list[dict[str, Any]] = []
+    for member in dispatcher.members:
+        dep = _replica_geometry(member.url)
+        if dep is None:
+            if required:
+                raise UsageError(f"{member.name} at {member.url} did not serve its geometry")
+            note = f"note: {member.url} does not serve /kvreuse/geometry (not checked)"
+            print(f"kvreuse route: {note}", file=sys.stderr)
+        elif replace(dep.cache, num_blocks=config.num_blocks) != config:
+            raise UsageError(
+                f"{member.name} at {member.url} runs another geometry than the front hashes "
+                f"for ({dep.name}); every replica of a fleet must share one"
+            )
+        if not models:
+            try:
+                data = httpx.get(f"{member.url}/v1/models", timeout=5.0).json().get("data")
+                models = data if isinstance(data, list) else []
+            except (httpx.HTTPError, ValueError, AttributeError):
+                pass
+    return models
+
+
+def _replica_spec(text: str) -> tuple[str, str, str | None]:
+    from kvreuse.events.common import endpoint_problem
+
+    parts = text.split(",")
+    if len(parts) not in (2, 3) or not all(parts):
+        raise UsageError(f"--replica must be URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT], got {text!r}")
+    url, events = parts[0].rstrip("/"), parts[1]
+    if not url.startswith(("http://", "https://")):
+        raise UsageError(f"--replica: the URL must start with http:// or https://, got {url!r}")
+    for endpoint in parts[1:]:
+        problem = endpoint_problem(endpoint)
+        if problem is not None:
+            raise UsageError(f"--replica {text}: {problem}, got {endpoint!r}")
+    return url, events, parts[2] if len(parts) == 3 else None
+
+
+def _tokenizer(model: str | None, path: str | None) -> Any:
+    """The replicas' tokenizer, chosen as `kvreuse serve` chooses it: a tokenizer.json given or
+    in the model directory, else bytes."""
+    from kvreuse.tokenizer import ByteTokenizer, HFTokenizer
+
+    if path is None and model is not None and (Path(model) / "tokenizer.json").is_file():
+        path = str(Path(model) / "tokenizer.json")
+    return HFTokenizer(path) if path is not None else ByteTokenizer()

@@ -1,0 +1,217 @@
+"""Local `kvreuse serve` replicas as child processes (`kvreuse fleet`).
+
+Each replica is `python -m kvreuse serve --host 127.0.0.1 --port 0 …` with KV events on
+127.0.0.1: its publisher connects to the events endpoint the front has bound (vLLM's rule: a
+specific address connects), and its replay socket binds a free port. The replica prints what it
+opened; `ReplicaProcess` reads its HTTP URL and replay endpoint from those lines, so no port is
+guessed and none can be taken by someone else in between.
+
+Lifetime: a replica dies with the front. It is stopped with SIGTERM (its graceful drain), then
+SIGKILL after `stop_timeout`; on Linux it also gets SIGTERM from the kernel when the front dies
+without stopping it (PR_SET_PDEATHSIG), so even a killed front leaves no orphan.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import TextIO
+
+import httpx
+
+# What `kvreuse serve` prints once its sockets are open (kvreuse.cli, kvreuse.events.options).
+_URL_LINE = re.compile(r"^kvreuse serve: .* on (http://\S+)/v1$")
+_EVENTS_LINE = re.compile(r"^kvreuse serve: KV events \(\w+\) on (\S+), replay on (\S+)$")
+# The front's health checks, as a replica's access log shows them: not echoed (one per replica
+# every few seconds would drown the rest).
+_HEALTH_LINE = re.compile(r'"GET /health HTTP/[\d.]+" 200')
+_PR_SET_PDEATHSIG = 1
+
+
+class ReplicaError(RuntimeError):
+    """A replica did not start, or stopped; the message names it and says why."""
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Ask the kernel for SIGTERM when the process that started us dies (Linux only)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class ReplicaProcess:
+    """One `kvreuse serve` child: started by `start`, ready after `wait_ready`, ended by `stop`.
+
+    `events_endpoint` is where its publisher connects (the front's subscriber binds it), or a
+    wildcard it binds; `replay_endpoint` is where its replay socket binds (`:0`: a free port).
+    `url`, `events_bound` and `replay_bound` are what it opened.
+    Its output goes to `echo` (default: the front's stderr) prefixed with `[name]`, once the
+    start-up lines have been read; the last lines are kept for error messages."""
+
+    def __init__(
+        self,
+        name: str,
+        events_endpoint: str,
+        serve_args: Sequence[str] = (),
+        *,
+        replay_endpoint: str = "tcp://127.0.0.1:0",
+        echo: TextIO | None = None,
+        quiet: bool = False,
+    ) -> None:
+        self.name = name
+        self.events_endpoint = events_endpoint
+        self.replay_request = replay_endpoint
+        self.serve_args = list(serve_args)
+        self.echo = echo
+        self.quiet = quiet
+        self.url: str | None = None
+        self.events_bound: str | None = None
+        self.replay_endpoint: str | None = None
+        self.proc: subprocess.Popen[str] | None = None
+        self.tail: collections.deque[str] = collections.deque(maxlen=20)
+        self._opened = threading.Event()
+        self._ended = False
+        self._reader: threading.Thread | None = None
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "kvreuse",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--kv-events-endpoint",
+            self.events_endpoint,
+            "--kv-events-replay-endpoint",
+            self.replay_request,
+            *self.serve_args,
+        ]
+
+    def start(self) -> None:
+        """Start the process (from the main thread: the death signal follows the thread that
+        started the child)."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            self.command(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            env=env,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
+        self._reader = threading.Thread(target=self._read, name=f"{self.name}-out", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            line = raw.rstrip("\n")
+            self.tail.append(line)
+            if not self._opened.is_set():
+                if (m := _URL_LINE.match(line)) is not None:
+                    self.url = m.group(1)
+                elif (m := _EVENTS_LINE.match(line)) is not None:
+                    self.events_bound, self.replay_endpoint = m.group(1), m.group(2)
+                if self.url is not None and self.replay_endpoint is not None:
+                    self._opened.set()
+            if not self.quiet and not _HEALTH_LINE.search(line):
+                out = self.echo or sys.stderr
+                with contextlib.suppress(ValueError, OSError):  # the front's stream closed
+                    print(f"[{self.name}] {line}", file=out, flush=True)
+        self._ended = True
+        self._opened.set()  # the process ended: whoever waits must look at it
+
+    def wait_ready(self, deadline: float) -> None:
+        """Wait until the replica has opened its sockets and `/health` answers 200 (before the
+        monotonic `deadline`); ReplicaError naming the cause otherwise."""
+        assert self.proc is not None
+        self._opened.wait(max(0.0, deadline - time.monotonic()))
+        if self.url is None or self.replay_endpoint is None:
+            if self._ended:  # its output ended: it is exiting
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(5.0)
+                self._fail("exited")
+            self._fail("did not open its sockets in time")
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                if self.proc.poll() is not None:
+                    self._fail("exited")
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        return
+                if time.monotonic() > deadline:
+                    self._fail("did not become healthy in time")
+                time.sleep(0.05)
+
+    def _fail(self, what: str) -> None:
+        assert self.proc is not None
+        code = self.proc.poll()
+        if code is not None and self._reader is not None:
+            self._reader.join(1.0)  # its last words
+        status = "" if code is None else f" (exit code {code})"
+        last = next((line for line in reversed(self.tail) if line.strip()), "no output")
+        raise ReplicaError(f"replica {self.name} {what}{status}: {last}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM (the replica drains), then SIGKILL after `timeout` seconds."""
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._reader is not None:
+            self._reader.join(2.0)
+        if proc.stdout is not None and (self._reader is None or not self._reader.is_alive()):
+            proc.stdout.close()
+
+
+class LocalFleet:
+    """N replica processes started together; `stop` ends every one of them."""
+
+    def __init__(self, replicas: Sequence[ReplicaProcess]) -> None:
+        self.replicas = list(replicas)
+
+    def start(self, timeout: float = 120.0) -> None:
+        """Start all (in parallel) and wait until every one is healthy; on any failure stop
+        them all and raise ReplicaError."""
+        deadline = time.monotonic() + timeout
+        try:
+            for replica in self.replicas:
+                replica.start()
+            for replica in self.replicas:
+                replica.wait_ready(deadline)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for replica in self.replicas:  # every one drains at once
+            proc = replica.proc
+            if proc is not None and proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+        for replica in self.replicas:
+            replica.stop(timeout)
