@@ -4,11 +4,11 @@ A router that indexes one attention group predicts, for a request, the longest r
 blocks it has seen published. On a hybrid that over-predicts whenever the attention KV is
 resident but the rest of the model cannot resume there (no recurrent state at that boundary,
 a sliding window not covered, a drafter's margin). This filter keeps its own exact copy of
-every group's index, fed by the core's events, and asks the core's lookup, for each resident
-attention entry at boundary k, whether a request sharing that prefix would reuse k tokens
-(`routable`). It publishes an entry while the entry or one of its descendants is routable, so
-the router's contiguous match can reach every routable boundary, and retracts it with
-`BlockRemoved` as soon as neither holds any more (the state was evicted, for example).
+every group's index, fed by the core's events, and publishes the attention entry at boundary k
+while it, or an entry below it, is `routable`: a request sharing the prefix up to k would reuse
+all k tokens (the core's lookup says so), so the router's contiguous match can reach every
+routable boundary. It retracts an entry with `BlockRemoved` as soon as neither holds any more
+(the state was evicted, for example).
 
 What an unmodified router then predicts: for a request whose deepest routable boundary on its
 path is r, and which matches published blocks up to m ≥ r, it predicts m. It is exact when m = r
@@ -16,305 +16,294 @@ path is r, and which matches published blocks up to m ≥ r, it predicts m. It i
 when the request diverges between two routable boundaries of a longer published chain. In drop
 mode a drafter proves k only together with k + u, so k is judged for a request that continues
 along a resident child; a request that diverges right after k is over-predicted by one unit.
+
+How it stays cheap (the state is described in `routable_tree`). Outside drop mode the lookup's
+answer for a prefix ending at k reduces to: the entry at k is in every group that needs a key
+there (full, sliding, recurrent); every page end on the path up to k is in every full-attention
+group (the parent is covered, a flag moved only below a page-end key that changed); and every
+page a window still needs is complete (a short walk, sliding and chunked groups only). So a
+unit is judged only when something it depends on changed. A new run hangs below units nothing
+else names: each of its units gets its index entry and one dict entry, and it is covered,
+judged, published and put on the wire as slices of its own chain and flags, in C, with no
+Python step per unit. The cache evicts a chain from its end, one unit with no child at a time:
+that unit is retracted and forgotten in a few steps, and the unit above it stays published
+while it is routable. Drop mode, rare and not on the hot path, asks the core's lookup itself
+for each unit that passes those conditions. Removals take effect at once, stores are judged
+once per batch, and a batch goes out as its net change: removals (deepest first), then stores
+(every parent before its child).
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import replace
+from itertools import compress, pairwise, repeat
+from operator import itemgetter
 
 from kvreuse.core import AllBlocksCleared as CoreCleared
 from kvreuse.core import BlockRemoved as CoreRemoved
 from kvreuse.core import BlockStored as CoreStored
-from kvreuse.core import Event, Geometry, compute_lookup
-from kvreuse.events.convert import attention_group
-from kvreuse.events.mirror import HashChain
-from kvreuse.events.wire import (
-    MEDIUM_GPU,
-    SPEC_KINDS,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    WireEvent,
-    hash64,
-)
+from kvreuse.core import Event, Geometry
+from kvreuse.events.routable_tree import CAME, COV, PUB, ROUT, SET_PUB_CAME, Run, UnitTree
+from kvreuse.events.routable_wire import emit_removed, emit_stored
+from kvreuse.events.wire import AllBlocksCleared, WireEvent
 
-_FAR = 1 << 62  # "any distance": a change in a full-attention group reaches every descendant
+_HASH_AND_BOUNDARY = itemgetter(0, 1)  # a StoredEntry's (hash, boundary)
+_HASH = itemgetter(0)
 
 
-@dataclass(slots=True)
-class _Node:
-    """An entry of the attention group in the tree of chains. A node that left the cache stays
-    (not `resident`) while descendants still name it, so that their path stays known."""
-
-    parent: bytes | None
-    boundary: int
-    tokens: tuple[int, ...]  # the unit's u tokens, for its BlockStored
-    lookahead: tuple[int, ...]
-    lora: str | None
-    resident: bool = True
-    routable: bool = False
-    support: int = 0  # routable nodes in this subtree, itself included
-    published: bool = False
-
-
-class _FullIndex:
-    """An exact `IndexView` over full digests (the filter sees the core's own keys)."""
-
-    def __init__(self, num_groups: int) -> None:
-        self.index: list[dict[bytes, int]] = [{} for _ in range(num_groups)]
-
-    def in_ghost(self, group_id: int, key: bytes) -> bool:
-        return False
+def _pieces(ev: CoreStored, u: int) -> list[CoreStored]:
+    """A run cut where its entries stop being one unit apart (the core sends attention runs
+    whole, so this is only a safeguard); each piece keeps the run's tokens and chain."""
+    entries = ev.entries
+    cuts = [
+        0,
+        *(i for i in range(1, len(entries)) if entries[i].boundary - entries[i - 1].boundary != u),
+    ]
+    cuts.append(len(entries))
+    return [
+        replace(ev, entries=entries[a:b], successor_token_ids=ev.successor_token_ids[a:b])
+        for a, b in pairwise(cuts)
+    ]
 
 
-class RoutableFilter:
+class RoutableFilter(UnitTree):
     """Core events in, the routable attention group's wire events out."""
 
     def __init__(self, geo: Geometry) -> None:
-        self.geo = geo
-        self.gid = attention_group(geo).group_id
-        self.full = _FullIndex(len(geo.groups))
-        self.nodes: dict[bytes, _Node] = {}
-        self.children: dict[bytes | None, set[bytes]] = {}
-        # how far below a changed boundary the group's change can move `routable`
-        self.reach: dict[int, int] = {}
-        self.states = [g.group_id for g in geo.cacheable if g.kind == "recurrent"]
-        for g in geo.cacheable:
-            if g.kind == "recurrent":
-                self.reach[g.group_id] = 0  # a hit at k needs the state exactly at k
-            elif g.kind == "sliding":
-                self.reach[g.group_id] = (g.window or 0) + 2 * g.page_size
-            elif g.kind == "chunked":
-                self.reach[g.group_id] = (g.chunk or 0) + 2 * g.page_size
-            else:
-                self.reach[g.group_id] = _FAR
+        super().__init__(geo)
+        # a new run is judged at once, in C, unless windows or the drafter's margin need more
+        self.judge_runs = geo.caching_enabled and not self.drop and not self.windowed
+        self.att_page = self.groups[self.gid].page_size
 
     def convert(self, events: Iterable[Event]) -> list[WireEvent]:
         out: list[WireEvent] = []
+        gid, groups = self.gid, self.groups
         for ev in events:
-            if isinstance(ev, CoreCleared):
-                for idx in self.full.index:
-                    idx.clear()
-                self.nodes.clear()
-                self.children.clear()
+            if isinstance(ev, CoreRemoved):
+                if ev.group_id == gid:
+                    self._removed_attention(ev.hash)
+                elif ev.group_id in groups:
+                    self.index[ev.group_id].pop(ev.hash, None)
+                    if ev.hash in self.node:
+                        self._judge_after_removal(ev.group_id, ev.hash)
+            elif isinstance(ev, CoreStored):
+                if ev.group_id == gid:
+                    self._stored_attention(ev)
+                elif ev.group_id in groups:
+                    self._stored_other(ev)
+            elif isinstance(ev, CoreCleared):
+                self.reset()
                 out.append(AllBlocksCleared())
-                continue
-            if ev.group_id not in self.reach:
-                continue
-            if isinstance(ev, CoreStored):
-                self._stored(ev, out)
-            elif isinstance(ev, CoreRemoved):
-                self._removed(ev, out)
+        self._settle()
+        if self.gone:
+            emit_removed(out, gid, self.gone)
+            self.gone.clear()
+        if self.touched:
+            emit_stored(out, self, self.came())
         return out
 
-    def _stored(self, ev: CoreStored, out: list[WireEvent]) -> None:
-        idx = self.full.index[ev.group_id]
-        u, start = ev.hash_unit, ev.token_start
-        for k, e in enumerate(ev.entries):
-            idx[e.hash] = e.boundary
-            if ev.group_id != self.gid:
-                continue
-            prev = ev.entries[k - 1] if k else None
-            if prev is not None and prev.boundary == e.boundary - u:
-                parent: bytes | None = prev.hash
-            else:
-                parent = self._parent_of(ev, e.boundary)
-            at = e.boundary - start
-            old = self.nodes.get(e.hash)
-            node = _Node(
-                parent,
-                e.boundary,
-                ev.token_ids[at - u : at],
-                ev.successor_token_ids[k],
-                ev.lora[0] if ev.lora else None,
-            )
-            if old is not None:  # back in the cache: keep what its subtree added up
-                node.routable, node.support, node.published = (
-                    old.routable,
-                    old.support,
-                    old.published,
-                )
-            self.nodes[e.hash] = node
-            self.children.setdefault(parent, set()).add(e.hash)
-        reach = self.reach[ev.group_id]
-        if reach == 0:  # a recurrent state moves only its own boundary
-            for e in ev.entries:
-                self._reevaluate(e.hash, 0, out)
-        else:  # a run is one chain: one walk from its first entry covers every entry
-            span = ev.entries[-1].boundary - ev.entries[0].boundary
-            self._reevaluate(ev.entries[0].hash, min(_FAR, reach + span), out)
-
-    @staticmethod
-    def _parent_of(ev: CoreStored, boundary: int) -> bytes | None:
-        """The hash at `boundary - u` (None at 0), from the chain the run carries."""
-        u = ev.hash_unit
-        if boundary == u:
-            return None
-        return ev.unit_hashes[(boundary - u - ev.token_start) // u]
-
-    def _removed(self, ev: CoreRemoved, out: list[WireEvent]) -> None:
-        self.full.index[ev.group_id].pop(ev.hash, None)
-        node = self.nodes.get(ev.hash) if ev.group_id == self.gid else None
-        if node is not None:
-            node.resident = False
-        self._reevaluate(ev.hash, self.reach[ev.group_id], out)
-        if node is not None:
-            self._forget(ev.hash)
-
-    def _forget(self, h: bytes | None) -> None:
-        """Drop non-resident nodes that no descendant names any more, walking up."""
-        while h is not None and h in self.nodes:
-            node = self.nodes[h]
-            if node.resident or self.children.get(h):
-                return
-            del self.nodes[h]
-            self.children.pop(h, None)
-            siblings = self.children.get(node.parent)
-            if siblings is not None:
-                siblings.discard(h)
-            h = node.parent
-
-    def _chain(self, h: bytes) -> tuple[list[bytes], bool] | None:
-        """[H[0], H[1], …, h] through known nodes, and whether all of them are resident; None if
-        the path back to the first unit is not known. A path may pass through a node that left
-        the index while its tokens are still held: a copied page keeps the content of units
-        whose keys went with the page they were first published on, and the lookup finds
-        the page by a later key."""
-        path = [h]
-        node = self.nodes[h]
-        intact = node.resident
-        while node.parent is not None:
-            if node.parent not in self.nodes:
-                return None
-            path.append(node.parent)
-            node = self.nodes[node.parent]
-            intact = intact and node.resident
-        if node.boundary != self.geo.hash_unit:
-            return None
-        path.append(b"")  # H[0] is never looked up
-        path.reverse()
-        return path, intact
-
-    def _reevaluate(self, h: bytes, reach: int, out: list[WireEvent]) -> None:
-        """Recompute `routable` for the node `h` and its descendants within `reach` tokens."""
-        if h not in self.nodes:
+    # ------------------------------------------------------------------ stores
+    def _stored_attention(self, ev: CoreStored) -> None:
+        u, entries = self.u, ev.entries
+        first, last = entries[0].boundary, entries[-1].boundary
+        if last - first != (len(entries) - 1) * u:
+            for piece in _pieces(ev, u):
+                self._stored_attention(piece)
             return
-        limit = self.nodes[h].boundary + reach
-        parent = self.nodes[h].parent
-        if self.geo.spec_mode == "drop" and parent in self.nodes:
-            h = parent  # (see `_is_routable`) the parent is judged through its children
-        # each entry carries its chain (None: its path is not known) and whether every node on
-        # it is resident, extended one unit per step down instead of walked up for every node
-        stack: list[tuple[bytes, tuple[list[bytes], bool] | None]] = [(h, self._chain(h))]
-        deltas: dict[bytes, int] = {}
-        while stack:
-            key, found = stack.pop()
-            node = self.nodes[key]
-            if node.boundary > limit:
-                continue
-            # a hit at k needs the key at k: a node out of the index is never routable itself
-            now = found is not None and node.resident and self._is_routable(key, node, *found)
-            if now != node.routable:
-                node.routable = now
-                deltas[key] = 1 if now else -1
-            for child in self.children.get(key, ()):
-                if found is None:
-                    stack.append((child, None))
-                else:
-                    chain, intact = found
-                    stack.append((child, ([*chain, child], intact and self.nodes[child].resident)))
-        if deltas:
-            self._propagate(deltas, out)
-
-    def _is_routable(self, key: bytes, node: _Node, chain: list[bytes], intact: bool) -> bool:
-        """Whether a request sharing the prefix up to `node` (its `chain`, `intact` when every
-        unit key on it is resident) would reuse all of it."""
-        drop = self.geo.spec_mode == "drop"
-        if not drop and any(key not in self.full.index[gid] for gid in self.states):
-            return False  # a hit at k needs a state exactly at k in every recurrent group
-        if self.geo.only_full and intact:
-            # Full attention alone: every unit entry of the path is resident, so its pages are
-            # covered and the hit is the whole prefix; the lookup would say the same.
-            return True
-        if not drop:
-            return self._hit(chain) == node.boundary
-        # A drafter in drop mode proves x only together with x + u, so a chain that ends at
-        # x never reuses x: judge x for a request continuing along a resident child.
-        return any(
-            self._hit([*chain, c]) >= node.boundary
-            for c in self.children.get(key, ())
-            if self.nodes[c].resident
-        )
-
-    def _hit(self, chain: Sequence[bytes]) -> int:
-        """The hit of a request that shares exactly this chain and continues past it."""
-        num_tokens = (len(chain) - 1) * self.geo.hash_unit + 1
-        return compute_lookup(
-            self.geo, self.full, "routable", HashChain(list(chain)), num_tokens
-        ).hit
-
-    def _propagate(self, deltas: dict[bytes, int], out: list[WireEvent]) -> None:
-        """Add each node's change of `routable` to its support and its ancestors'; publish or
-        retract the nodes whose support crosses zero. Deepest first, so every ancestor is
-        visited once with the sum of what reaches it (not once per changed descendant)."""
-        pending = dict(deltas)
-        heap = [(-self.nodes[h].boundary, h) for h in pending]
-        heapq.heapify(heap)
-        newly: list[tuple[int, bytes]] = []
-        while heap:
-            _, h = heapq.heappop(heap)
-            delta = pending.pop(h)
-            node = self.nodes[h]
-            node.support += delta
-            if node.support > 0 and not node.published:
-                node.published = True
-                newly.append((node.boundary, h))
-            elif node.support <= 0 and node.published:
-                node.published = False
-                self._emit_removed(h, out)
-            up = node.parent
-            if delta and up is not None and up in self.nodes:
-                if up not in pending:
-                    pending[up] = 0
-                    heapq.heappush(heap, (-self.nodes[up].boundary, up))
-                pending[up] += delta
-        for _, h in sorted(newly):  # ancestors first, so every parent precedes its child
-            self._emit_stored(h, out)
-
-    def _emit_stored(self, h: bytes, out: list[WireEvent]) -> None:
-        node = self.nodes[h]
-        parent = hash64(node.parent) if node.parent is not None else None
-        last = out[-1] if out else None
-        if (
-            isinstance(last, BlockStored)
-            and last.block_hashes[-1] == parent
-            and last.lora_name == node.lora
-        ):
-            last.block_hashes.append(hash64(h))
-            last.token_ids.extend(node.tokens)
-            if last.lookahead_token_ids is not None:
-                last.lookahead_token_ids.append(list(node.lookahead))
-            return
-        out.append(
-            BlockStored(
-                block_hashes=[hash64(h)],
-                parent_block_hash=parent,
-                token_ids=list(node.tokens),
-                block_size=self.geo.hash_unit,
-                lora_id=None,
-                medium=MEDIUM_GPU,
-                lora_name=node.lora,
-                group_idx=self.gid,
-                kv_cache_spec_kind=SPEC_KINDS["full"],
-                lookahead_token_ids=[list(node.lookahead)] if self.geo.lookahead else None,
-            )
-        )
-
-    def _emit_removed(self, h: bytes, out: list[WireEvent]) -> None:
-        last = out[-1] if out else None
-        if isinstance(last, BlockRemoved):
-            last.block_hashes.append(hash64(h))
+        r = Run(ev, u)
+        hs = r.chain[r.i0 :]  # the entries' hashes: the run's chain from its first entry
+        self.att.update(zip(hs, self.bounds(first, last), strict=True))
+        parent = None if first == u else r.chain[r.i0 - 1]
+        node = self.node
+        if node.keys().isdisjoint(hs) and self.extra.keys().isdisjoint(hs):
+            # new units that nothing hangs below yet: the whole chain at once
+            node.update(zip(hs, repeat(r)))
+            r.owned = True
+            self.link(parent, hs[0])
+            if self.flag(parent, COV):
+                self._cover_run(r, hs, parent)
         else:
-            out.append(BlockRemoved([hash64(h)], MEDIUM_GPU, group_idx=self.gid))
+            new = 0
+            for h, p in zip(hs, (parent, *hs), strict=False):
+                if h in node:
+                    self.holes.pop(h, None)  # back in the index
+                else:
+                    node[h] = r
+                    self.link(p, h)
+                    new += 1
+                self.dirty.add(h)
+                self.cover(h)
+            r.owned = new == len(hs)
+        if self.drop and parent is not None:
+            self.dirty.add(parent)  # a new resident child: the parent is judged through it
+
+    def _cover_run(self, r: Run, hs: Sequence[bytes], parent: bytes | None) -> None:
+        """A new chain below a covered parent: covered if every page end on it has its key in
+        the other full groups too (its own were just stored), and then judged at once."""
+        for page, idx in self.full_pages:
+            ends = hs[(-r.first) % page // self.u :: page // self.u]
+            if idx is not self.att and not all(map(idx.__contains__, ends)):
+                self.dirty.update(hs)  # some page end is missing: unit by unit
+                self.cover(hs[0])
+                return
+        if not self.judge_runs:
+            r.flags[:] = bytes((COV,)) * r.n
+            self.dirty.update(hs)
+            return
+        # routable where every other group that needs a key at the boundary has one
+        good: Sequence[int] = range(r.n)
+        for idx in self.keyed_others:
+            good = list(compress(good, map(idx.__contains__, hs)))
+        if len(good) == r.n:
+            r.flags[:] = bytes((COV | ROUT,)) * r.n
+        else:
+            r.flags[:] = bytes((COV,)) * r.n
+            for j in good:
+                r.flags[j] |= ROUT
+        if good:  # publish up to the deepest routable unit
+            deepest = good[-1] + 1
+            r.flags[:deepest] = r.flags[:deepest].translate(SET_PUB_CAME)
+            self.touched.add(r)
+            if parent is not None and not self.flag(parent, PUB):
+                self.publish_path(parent)
+
+    def _stored_other(self, ev: CoreStored) -> None:
+        g = self.groups[ev.group_id]
+        self.index[g.group_id].update(map(_HASH_AND_BOUNDARY, ev.entries))
+        node = self.node
+        known = list(filter(node.__contains__, map(_HASH, ev.entries)))
+        if not known:
+            return
+        self.dirty.update(known)
+        if self.drop:
+            self.dirty.update(p for p in map(self.parent, known) if p is not None)
+        if g.kind == "recurrent":
+            return  # a state moves only its own boundary
+        for e in ev.entries:
+            if e.boundary % g.page_size == 0 and e.hash in node:
+                if g.kind == "full":
+                    self.cover(e.hash)
+                else:
+                    self._mark_below(e.hash, _reach(g.window or g.chunk or 0, g.page_size))
+
+    def _mark_below(self, h: bytes, reach: int) -> None:
+        """Judge the known units below `h` down to `reach` tokens (a window page changed)."""
+        limit = self.boundary(h) + reach
+        stack = self.kids_of(h)
+        while stack:
+            x = stack.pop()
+            if self.boundary(x) <= limit:
+                self.dirty.add(x)
+                if self.drop and (p := self.parent(x)) is not None:
+                    self.dirty.add(p)
+                stack.extend(self.kids_of(x))
+
+    # ------------------------------------------------------------------ removals
+    def _removed_attention(self, h: bytes) -> None:
+        b = self.att.pop(h, None)
+        if b is None:
+            return  # not in the index (every unit there is known)
+        r = self.node[h]
+        j = (b - r.first) // self.u
+        k = r.i0 + j + 1
+        if h in self.extra or (k < len(r.chain) and r.chain[k] in self.node):
+            self.holes[h] = b  # children name it: it stays known, out of the index
+            if self.drop or b % self.att_page == 0:
+                self._judge_after_removal(self.gid, h)
+            elif r.flags[j] & ROUT:  # (only h itself needed that key)
+                r.flags[j] &= ~ROUT
+                self.unpublish(h)
+            return
+        if self.drop:
+            self.holes[h] = b
+            self._judge_after_removal(self.gid, h)
+            self.forget(h)
+            return
+        # The common case (the cache evicts a chain from its end): a unit no known unit names
+        # as parent. Nothing below it to judge again; it is no longer routable, and forgotten.
+        f = r.flags[j]
+        if f & PUB and not f & CAME:
+            self.gone[h] = b
+        r.flags[j] = 0
+        del self.node[h]
+        self.dirty.discard(h)
+        if r.owned:
+            if j == r.n - 1:
+                r.n = j  # the run just gets shorter
+            else:
+                r.owned = False
+        if b == self.u:
+            return
+        p = r.chain[k - 2]
+        if p in self.extra:
+            self.unlink(p, h)
+        fp = r.flags[j - 1] if j and self.node.get(p) is r else self.flag(p, PUB | ROUT)
+        if fp & PUB and not fp & ROUT:
+            self.unpublish(p)
+        if p not in self.att:
+            self.forget(p)
+
+    def _judge_after_removal(self, gid: int, h: bytes) -> None:
+        """A key of the known unit `h` left group `gid`: judge again every routable unit whose
+        answer can depend on it."""
+        g = self.groups[gid]
+        hit = [h]
+        if self.drop and (p := self.parent(h)) is not None:
+            hit.append(p)
+        if self.boundary(h) % g.page_size == 0:
+            if g.kind == "full":
+                hit += self.uncover(h)
+            elif g.kind != "recurrent":
+                hit += self._published_below(h, _reach(g.window or g.chunk or 0, g.page_size))
+        for x in hit:
+            if self.flag(x, ROUT) and not self.judge(x):
+                r, j = self.at(x)
+                r.flags[j] &= ~ROUT
+                self.unpublish(x)
+
+    def _published_below(self, h: bytes, reach: int) -> list[bytes]:
+        """The published units below `h` down to `reach` tokens: every routable one among them
+        (a routable unit's ancestors are all published)."""
+        found: list[bytes] = []
+        if not self.flag(h, PUB):
+            return found
+        limit = self.boundary(h) + reach
+        stack = [h]
+        while stack:
+            for c in self.kids_of(stack.pop()):
+                if self.flag(c, PUB) and self.boundary(c) <= limit:
+                    found.append(c)
+                    stack.append(c)
+        return found
+
+    # ------------------------------------------------------------------ the batch's end
+    def _settle(self) -> None:
+        """Judge the units the batch's stores touched; publish what became routable."""
+        dirty = self.dirty
+        if not dirty:
+            return
+        good: list[bytes] = []
+        if self.geo.caching_enabled:
+            good = list(filter(self.att.__contains__, dirty))
+            for idx in self.keyed_others:
+                good = list(filter(idx.__contains__, good))
+            good = [h for h in good if self.flag(self.parent(h), COV)]
+            if self.drop or self.windowed:
+                good = list(filter(self.judge_rest, good))
+        for h in dirty.difference(good):  # (removals judge at once: never, in practice)
+            if h in self.node and self.flag(h, ROUT):
+                r, j = self.at(h)
+                r.flags[j] &= ~ROUT
+                self.unpublish(h)
+        dirty.clear()
+        for h in good:
+            r, j = self.at(h)
+            if not r.flags[j] & ROUT:
+                r.flags[j] |= ROUT
+                self.publish_path(h)
+
+
+def _reach(window: int, page: int) -> int:
+    """How far below a window group's page end a change of its key can move `routable`."""
+    return window + 2 * page

@@ -1,0 +1,89 @@
+"""The routable mode's wire events: one batch's net change of what is published.
+
+The filter (`kvreuse.events.routable`) decides which attention units are published; this turns
+the units retracted and published during a batch into `BlockRemoved` and `BlockStored` events.
+A stretch of units that one core run carries goes out as one slice of that run's chain and
+tokens, so a new run costs a few C-level steps rather than a Python step per unit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from kvreuse.events.wire import (
+    MEDIUM_GPU,
+    SPEC_KINDS,
+    BlockRemoved,
+    BlockStored,
+    WireEvent,
+    hash64,
+    low64,
+)
+
+if TYPE_CHECKING:
+    from kvreuse.events.routable_tree import Run, UnitTree
+
+
+def emit_removed(out: list[WireEvent], gid: int, gone: Mapping[bytes, int]) -> None:
+    """One `BlockRemoved` for every retracted unit (`gone`: hash -> boundary), deepest first:
+    a consumer that drops a block's descendants with it (Dynamo) then never meets a removal
+    of a block it already dropped."""
+    order = sorted(gone, key=gone.__getitem__, reverse=True)  # stable: ties keep their order
+    out.append(BlockRemoved(low64(order), MEDIUM_GPU, group_idx=gid))
+
+
+def emit_stored(
+    out: list[WireEvent], tree: UnitTree, stretches: list[tuple[int, bytes, Run, int, int]]
+) -> None:
+    """`BlockStored` events for the stretches published during a batch (`UnitTree.came`:
+    entries [a, b) of a run, in order of their first boundary, so every parent goes before
+    its child). A stretch is a slice of its run's chain and tokens; one that continues the
+    previous event's chain extends that event."""
+    u = tree.u
+    for _, _, r, a, b in stretches:
+        ev, start = r.ev, r.ev.token_start
+        first, last = r.first + a * u, r.first + (b - 1) * u
+        tokens = ev.token_ids[first - u - start : last - start]
+        lookahead = [list(t) for t in ev.successor_token_ids[a:b]] if tree.geo.lookahead else None
+        lora = ev.lora[0] if ev.lora else None
+        parent = None if first == u else r.chain[r.i0 + a - 1]
+        _append(out, tree, r.chain[r.i0 + a : r.i0 + b], parent, tokens, lookahead, lora)
+
+
+def _append(
+    out: list[WireEvent],
+    tree: UnitTree,
+    stretch: Sequence[bytes],
+    parent: bytes | None,
+    tokens: Sequence[int],
+    lookahead: list[list[int]] | None,
+    lora: str | None,
+) -> None:
+    up = hash64(parent) if parent is not None else None
+    last = out[-1] if out else None
+    if (
+        isinstance(last, BlockStored)
+        and up is not None
+        and last.block_hashes[-1] == up
+        and last.lora_name == lora
+    ):
+        last.block_hashes.extend(low64(stretch))
+        last.token_ids.extend(tokens)
+        if last.lookahead_token_ids is not None and lookahead is not None:
+            last.lookahead_token_ids.extend(lookahead)
+        return
+    out.append(
+        BlockStored(
+            block_hashes=low64(stretch),
+            parent_block_hash=up,
+            token_ids=list(tokens),
+            block_size=tree.u,
+            lora_id=None,
+            medium=MEDIUM_GPU,
+            lora_name=lora,
+            group_idx=tree.gid,
+            kv_cache_spec_kind=SPEC_KINDS["full"],
+            lookahead_token_ids=lookahead,
+        )
+    )
