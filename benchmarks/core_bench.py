@@ -15,7 +15,11 @@ Metrics (stdout; one JSON object per line with --json, else a table; progress on
 
 Usage:
   .venv/bin/python benchmarks/core_bench.py --json [--quick] [--only hash,lookup,cycle,memory]
-      [--with-anchor] [--out results.jsonl] [--profile]
+      [--with-anchor] [--rounds N] [--paths native,pure] [--out results.jsonl] [--profile]
+
+Every record carries params.path, the core path that produced it ("native": the C kernels,
+"pure": pure Python; see kvreuse.core.native). With --paths, each path runs in its own
+subprocess (KVREUSE_PURE=0 or 1), alternating within each round, and the ratios are per path.
 See benchmarks/README.md for the pinned workloads and how to read the ratios.
 """
 
@@ -31,6 +35,7 @@ import platform
 import pstats
 import random
 import statistics
+import subprocess
 import sys
 import time
 import tracemalloc
@@ -41,6 +46,7 @@ from typing import IO, Any, TypeVar
 
 import kvreuse
 from kvreuse import CacheConfig, GroupSpec, KVCacheManager, Request
+from kvreuse.core import native
 from kvreuse.core.hashing import HASH_ALGOS, Hasher, algo_available
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -65,7 +71,7 @@ ALIASES = {
     "hash_tokens_per_s": "hash",
     "lookup_full_hit": "lookup",
 }
-# The anchor's bench name for each of ours.
+PATHS = ("native", "pure")
 BENCH_SEED = "kvreuse-bench"  # hash_seed for xxh3_128 / blake3 (no per-process-seed warning)
 
 
@@ -98,7 +104,8 @@ class Emitter:
         self.as_json = as_json
         self.out = out
         self.records: list[dict[str, Any]] = []
-        self.context: dict[str, Any] = {}  # merged into every record's params (e.g. round)
+        # merged into every record's params (round, path)
+        self.context: dict[str, Any] = {"path": native.ACTIVE}
 
     def emit(self, metric: str, value: Any, unit: str, **params: Any) -> dict[str, Any]:
         params = {**params, **self.context}
@@ -108,9 +115,8 @@ class Emitter:
         if self.as_json:
             print(line, flush=True)
         else:
-            shown = {
-                k: v for k, v in params.items() if k in ("algo", "events", "round", "target", "ok")
-            }
+            keys = ("algo", "events", "path", "round", "target", "ok")
+            shown = {k: v for k, v in params.items() if k in keys}
             extra = " ".join(f"{k}={v}" for k, v in shown.items())
             val = f"{value:,.3f}" if isinstance(value, float) else f"{value}"
             print(f"{metric:34s} {val:>16s} {unit:10s} {extra}", flush=True)
@@ -454,6 +460,63 @@ def parse_only(text: str) -> list[str]:
     return [b for b in BENCHES if b in out]
 
 
+class PathView:
+    """The records of one core path, for `anchor.round_ratios` / `emit_ratios`: finds only
+    that path's records and tags the ratios it emits with it."""
+
+    def __init__(self, em: Emitter, path: str) -> None:
+        self.em, self.path = em, path
+        self.context: dict[str, Any] = {}
+
+    def find(self, metric: str, **match: Any) -> dict[str, Any] | None:
+        return self.em.find(metric, path=self.path, **match)
+
+    def emit(self, metric: str, value: Any, unit: str, **params: Any) -> dict[str, Any]:
+        return self.em.emit(metric, value, unit, **params, path=self.path)
+
+
+def parse_paths(text: str) -> list[str]:
+    out = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in out if p not in PATHS]
+    if bad or not out or len(set(out)) != len(out):
+        raise SystemExit(f"--paths: expected a comma list of {', '.join(PATHS)}, got {text!r}")
+    return out
+
+
+def run_path(em: Emitter, path: str, todo: list[str], quick: bool) -> bool:
+    """Run `todo` in a subprocess on `path` (KVREUSE_PURE) and re-emit its records tagged with
+    this round; False (and one `path_unavailable` line) when that path is not what ran."""
+    env = {**os.environ, "KVREUSE_PURE": "1" if path == "pure" else "0"}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--json", "--only", ",".join(todo)]
+    log(f"path {path}: {' '.join(cmd[1:])}")
+    proc = subprocess.run(
+        [*cmd, *(["--quick"] if quick else [])], env=env, stdout=subprocess.PIPE, text=True
+    )
+    recs = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    ran = recs[0]["params"].get("path") if recs else None
+    if proc.returncode != 0 or ran != path:
+        why = f"exit {proc.returncode}" if proc.returncode else f"the core ran on {ran!r}"
+        em.emit("path_unavailable", None, "", path=path, reason=why, core=native.describe())
+        log(f"path {path}: unavailable ({why})")
+        return False
+    for rec in recs[1:]:  # [0] is the child's env line
+        params = {k: v for k, v in rec["params"].items() if k not in ("round", "path")}
+        em.emit(rec["metric"], rec["value"], rec["unit"], **params, path=path)
+    return True
+
+
+def run_round(em: Emitter, todo: list[str], s: Sizes) -> None:
+    if "hash" in todo:
+        bench_hash(em, s)
+    if "lookup" in todo:
+        bench_lookup(em, s)
+    if "cycle" in todo:
+        bench_cycle(em, s, events=False)
+        bench_cycle(em, s, events=True)
+    if "memory" in todo:
+        bench_memory(em, s)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -474,11 +537,17 @@ def main(argv: list[str] | None = None) -> int:
         "alternating); ratios are medians over rounds",
     )
     ap.add_argument(
+        "--paths",
+        help="comma list of core paths (native, pure), each run in its own subprocess, "
+        "alternating within each round; default: this process's path only",
+    )
+    ap.add_argument(
         "--profile", action="store_true", help="cProfile the timed regions instead (stderr)"
     )
     ap.add_argument("--profile-top", type=int, default=15)
     args = ap.parse_args(argv)
     which = parse_only(args.only)
+    paths = parse_paths(args.paths) if args.paths is not None else None
     s = QUICK if args.quick else FULL
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
@@ -496,34 +565,37 @@ def main(argv: list[str] | None = None) -> int:
         loadavg=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         quick=args.quick,
         only=which,
+        core=native.describe(),
+        paths=paths or [native.ACTIVE],
     )
     anchor = args.with_anchor
-    per_round: list[list[Ratio]] = []
+    live = paths or [native.ACTIVE]
+    per_round: dict[str, list[list[Ratio]]] = {p: [] for p in live}
     for rnd in range(args.rounds):
-        em.context = {"round": rnd}
+        # with --paths every record names its own path (run_path); else this process's
+        em.context = {"round": rnd} if paths else {"round": rnd, "path": native.ACTIVE}
         # memory is deterministic: measured in the first round only (on both sides)
         todo = [b for b in which if rnd == 0 or b != "memory"]
         if args.rounds > 1:
             log(f"---- round {rnd + 1} of {args.rounds}: {', '.join(todo)}")
-        if "hash" in todo:
-            bench_hash(em, s)
-        if "lookup" in todo:
-            bench_lookup(em, s)
-        if "cycle" in todo:
-            bench_cycle(em, s, events=False)
-            bench_cycle(em, s, events=True)
-        if "memory" in todo:
-            bench_memory(em, s)
-        if anchor and todo:
+        if paths is None:
+            run_round(em, todo, s)
+        else:
+            order = live if rnd % 2 == 0 else live[::-1]  # alternate which path goes first
+            live = [p for p in order if run_path(em, p, todo, args.quick)]
+        if anchor and todo and live:
             recs = run_anchor(
                 em, todo, args.quick, args.anchor_dir, args.anchor_python, args.anchor_repeat
             )
             if recs is None:
                 anchor = False
             else:
-                per_round.append(round_ratios(em, recs, rnd))
-    if per_round:
-        emit_ratios(em, per_round)
+                for p in live:
+                    per_round[p].append(round_ratios(PathView(em, p), recs, rnd))
+    em.context = {}
+    for p, rows in per_round.items():
+        if rows and p in live:
+            emit_ratios(PathView(em, p), rows)
     if out is not None:
         out.close()
     return 0

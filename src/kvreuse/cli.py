@@ -360,12 +360,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
+    """The package version and the core path in use: native C kernels or pure Python."""
     from importlib.metadata import PackageNotFoundError, version
 
+    from kvreuse.core import describe_core_path
+
     try:
-        return version("kvreuse")
+        number = version("kvreuse")
     except PackageNotFoundError:  # run from a source tree that was never installed
-        return "unknown"
+        number = "unknown"
+    return f"{number}, {describe_core_path()}"
 
 
 # The optional packages each extra brings (pyproject.toml), to name the one a command needs.

@@ -201,7 +201,9 @@ def test_geometry_mistakes_name_the_file_and_what_is_allowed(tmp_path: Path) -> 
 def test_version_geometry_presets_and_defaults_in_help() -> None:
     from importlib.metadata import version
 
-    assert run("--version").stdout.strip() == f"kvreuse {version('kvreuse')}"
+    line = run("--version").stdout.strip()  # the version, then the core path in use
+    assert line.startswith(f"kvreuse {version('kvreuse')}, ")
+    assert ", native core (" in line or ", pure-Python core (" in line
     listed = run("geometry", "list").stdout.splitlines()
     assert any(line.startswith("hybrid-dcp4 ") and "full 2048×4 = 8192" in line for line in listed)
     shown = run("geometry", "show", "tiny-spec-drop")

@@ -45,6 +45,7 @@ from kvreuse.core.ledger import StepFate
 from kvreuse.core.lookup import IndexView, LookupResult, Reason, compute_lookup
 from kvreuse.core.manager import KVCacheManager
 from kvreuse.core.metrics import RequestStats
+from kvreuse.core.native import describe as describe_core_path
 from kvreuse.core.plan import Copy, RecurrentSlot, RequestPlan, Save, StepPlan
 from kvreuse.core.policy import EvictionPolicy, LRUPolicy, PoolView
 from kvreuse.core.request import Deferral, MultiModalItem, Request, SavePurpose
@@ -86,6 +87,7 @@ __all__ = [
     "StoredEntry",
     "UnknownRequestError",
     "compute_lookup",
+    "describe_core_path",
     "finish_point",
     "replay_point",
 ]

@@ -8,7 +8,8 @@ importable without them.
 ``enc`` (in `kvreuse.core.encoding`) is the normative definition of the hashed bytes.
 ``Chain.extend`` is the fast path: it emits exactly the bytes ``enc`` would, but splices them
 from precomputed constant pieces and one bulk token conversion, because hashing runs on every
-admitted token.
+admitted token. With the optional C kernels (`kvreuse.core.native`), a run of SHA-256 units is
+digested in one call over the same bytes.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvreuse.core import native
 from kvreuse.core.encoding import INT64_MAX, TokenArray, enc, tok_bytes, u64
 
 HASH_ALGOS = ("sha256", "xxh3_128", "blake3")
@@ -179,6 +181,8 @@ class UnitTemplate:
     unit_struct: struct.Struct  # one unit's token bytes, for C-level per-unit slicing
     ctor: Callable[[bytes], Any] | None  # inlined as ctor(m).digest() when set
     digest: Callable[[bytes], bytes]
+    # native.chain_kernel: digests a run of units in one C call (None: the Python loops)
+    kernel: Callable[..., list[bytes]] | None = None
 
 
 class Chain:
@@ -243,33 +247,52 @@ class Chain:
         ``tokens`` is the request's full sequence so far, already validated by the caller.
         """
         t = self.template
-        u, la = t.hash_unit, t.lookahead
+        u, la, kernel = t.hash_unit, t.lookahead, t.kernel
         n0 = len(self.hashes) - 1
         n = (len(tokens) - la) // u
         if n <= n0:
             return n0
-        # Slicing a long list costs more than converting it (refcount traffic on every int), so
-        # a first extend converts the whole list; the < u surplus tokens go unused.
-        tb = tok_bytes(tokens if n0 == 0 else tokens[n0 * u : n * u + la])
-        step, lstep = 4 * u, 4 * la
-        ap, last, join = self.hashes.append, self.hashes[-1], b"".join
-        # General path: units whose X_k varies (salt, mm), and every unit in lookahead mode.
-        k_end = n if la else max(n0, min(n, self._special_max))
+        # Units whose X_k varies (salt, mm) take the general loop; so does every unit in
+        # lookahead mode on the pure path. The rest is one kernel call or the fast loop.
+        k_end = n if la and kernel is None else max(n0, min(n, self._special_max))
         if k_end > n0:
-            digest, xenc, xdef, smax = t.digest, self._xenc, self._xdef, self._special_max
-            parts = [t.pre, last, t.mid, b"", t.la_hdr, b"", b""]
-            for k, i in enumerate(range(0, (k_end - n0) * step, step), n0 + 1):
-                j = i + step
-                parts[1], parts[3], parts[5] = last, tb[i:j], tb[j : j + lstep]
-                parts[6] = xdef if k > smax else xenc(k)
-                last = digest(join(parts))
-                ap(last)
-        if n == k_end:
-            self.num_units = n
-            return n
-        # Fast path (L = 0, constant X_k): only the parent and the unit's tokens change.
+            self._extend_general(tokens, n0, k_end)
+        if n > k_end:
+            if kernel is not None:
+                last, xdef = self.hashes[-1], self._xdef
+                self.hashes += kernel(
+                    last, t.pre, t.mid, t.la_hdr, xdef, tokens, k_end * u, n - k_end, u, la
+                )
+            else:
+                self._extend_fast(tokens, k_end, n)
+        self.num_units = n
+        return n
+
+    def _extend_general(self, tokens: Sequence[int], n0: int, k_end: int) -> None:
+        """Units n0+1 … k_end, each message spliced with its own X_k and successors."""
+        t = self.template
+        u, la = t.hash_unit, t.lookahead
+        step, lstep = 4 * u, 4 * la
+        tb = _words(tokens, n0 * u, k_end * u + la)
+        ap, last, join = self.hashes.append, self.hashes[-1], b"".join
+        digest, xenc, xdef, smax = t.digest, self._xenc, self._xdef, self._special_max
+        parts: list[bytes | memoryview] = [t.pre, last, t.mid, b"", t.la_hdr, b"", b""]
+        for k, i in enumerate(range(0, (k_end - n0) * step, step), n0 + 1):
+            j = i + step
+            parts[1], parts[3], parts[5] = last, tb[i:j], tb[j : j + lstep]
+            parts[6] = xdef if k > smax else xenc(k)
+            last = digest(join(parts))
+            ap(last)
+
+    def _extend_fast(self, tokens: Sequence[int], k0: int, n: int) -> None:
+        """Units k0+1 … n when L = 0 and X_k is constant: only the parent and the unit's
+        tokens change between messages."""
+        t = self.template
+        u = t.hash_unit
+        tb = _words(tokens, k0 * u, n * u)
+        ap, last, join = self.hashes.append, self.hashes[-1], b"".join
         parts = [t.pre, last, t.mid, b"", t.la_hdr + self._xdef]
-        units = t.unit_struct.iter_unpack(memoryview(tb)[(k_end - n0) * step : (n - n0) * step])
+        units = t.unit_struct.iter_unpack(tb)
         ctor = t.ctor
         if ctor is not None:
             for (parts[3],) in units:
@@ -282,8 +305,17 @@ class Chain:
                 parts[1] = last
                 last = digest(join(parts))
                 ap(last)
-        self.num_units = n
-        return n
+
+
+def _words(tokens: Sequence[int], lo: int, hi: int) -> memoryview:
+    """Tokens [lo, hi) as 4-byte big-endian words.
+
+    Slicing a long list costs more than converting it (refcount traffic on every int), so a
+    run that covers most of the sequence converts all of it and the view drops the surplus.
+    """
+    if 2 * (hi - lo) >= len(tokens):
+        return memoryview(tok_bytes(tokens))[4 * lo : 4 * hi]
+    return memoryview(tok_bytes(tokens[lo:hi]))
 
 
 class Hasher:
@@ -322,6 +354,7 @@ class Hasher:
             unit_struct=struct.Struct(f"{4 * hash_unit}s"),
             ctor=ctor,
             digest=self.digest,
+            kernel=native.chain_kernel(algo),
         )
 
     def chain(

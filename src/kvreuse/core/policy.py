@@ -14,6 +14,8 @@ from array import array
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from kvreuse.core import native
+
 
 @runtime_checkable
 class PoolView(Protocol):
@@ -69,15 +71,23 @@ def pop_many_of(policy: Any) -> Callable[[int], list[int]]:
 
 
 class LRUPolicy:
-    """The normative default: unkeyed blocks at the head (reused first), keyed at the tail."""
+    """The normative default: unkeyed blocks at the head (reused first), keyed at the tail.
 
-    __slots__ = ("_inq", "_len", "_nxt", "_prv")
+    `release` and `pop_many` run as C kernels on the same arrays when the native path is
+    active (`native.ext`, read once here); the Python loops below are the reference.
+    """
+
+    __slots__ = ("_inq", "_k_link", "_k_pop", "_len", "_nxt", "_prv")
 
     def __init__(self, num_blocks: int) -> None:
         self._nxt = array("i", bytes(4 * num_blocks))
         self._prv = array("i", bytes(4 * num_blocks))
         self._inq = bytearray(num_blocks)
         self._len = 0
+        # the kernels themselves, not the module: a manager stays deep-copyable and picklable
+        k = native.ext
+        self._k_link = k.lru_link if k is not None else None
+        self._k_pop = k.lru_pop_many if k is not None else None
 
     def __len__(self) -> int:
         return self._len
@@ -90,6 +100,13 @@ class LRUPolicy:
         )
 
     def release(self, unkeyed: Sequence[int], keyed: Sequence[int]) -> None:
+        if self._k_link is not None:
+            self._k_link(self._nxt, self._prv, self._inq, unkeyed, keyed)
+        else:
+            self._link(unkeyed, keyed)
+        self._len += len(unkeyed) + len(keyed)
+
+    def _link(self, unkeyed: Sequence[int], keyed: Sequence[int]) -> None:
         nxt, prv, inq = self._nxt, self._prv, self._inq
         if unkeyed:
             # Splice the run [u0, u1, …] in front of the current head, preserving its order.
@@ -112,7 +129,6 @@ class LRUPolicy:
                 prev = b
             nxt[prev] = 0
             prv[0] = prev
-        self._len += len(unkeyed) + len(keyed)
 
     def remove(self, block_id: int) -> None:
         nxt, prv = self._nxt, self._prv
@@ -133,6 +149,10 @@ class LRUPolicy:
         """The next `count` blocks from the head, in order, unlinked as one run."""
         if count > self._len:
             raise IndexError(f"pop of {count} blocks from a free queue of {self._len}")
+        if self._k_pop is not None:
+            popped: list[int] = self._k_pop(self._nxt, self._prv, self._inq, count)
+            self._len -= count
+            return popped
         nxt, inq = self._nxt, self._inq
         out: list[int] = []
         b = nxt[0]

@@ -15,6 +15,10 @@ and token positions stay below 2³¹.
 Each rule has one home here: a key enters the index only through `publish`, leaves it only
 through `_evict_keys` (or all at once through `clear_keys`), and each of them records its own
 events, so the event log mirrors the index by construction.
+
+With the built-in LRU on the native path (`kvreuse.core.native`), the per-block loops of
+publication, adoption, release and eviction run as C kernels over these same arrays, called
+from these methods only; the Python loops are the reference they are tested against.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from array import array
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from kvreuse.core import native
 from kvreuse.core.events import stored_runs
 from kvreuse.core.ghost import GhostRecord
 from kvreuse.core.kinds import EntryKind, count_entry_kinds, entry_kind
@@ -71,6 +76,14 @@ class BlockPool:
         else:
             self.policy = factory(self)
         self._pop_many = pop_many_of(self.policy)
+        # The C kernels of the per-block loops (native.py), on these same arrays; only with the
+        # built-in LRU, since a custom policy may read the counts while they change.
+        # The functions are kept, not the module: a manager stays deep-copyable and picklable.
+        k = native.ext if isinstance(factory, str) else None
+        self._k_keys = k.key_pages if k is not None else None
+        self._k_adopt = k.ref_adopt if k is not None else None
+        self._k_release = k.ref_release if k is not None else None
+        self._k_evict = k.evict_keys if k is not None else None
         self.policy.release(list(range(1, n)), [])
 
     # ------------------------------------------------------------------ PoolView
@@ -174,10 +187,13 @@ class BlockPool:
         """
         self.index[group_id].update(zip(keys, blocks, strict=True))
         key1, b1, group = self._key1, self._b1, self.group
-        for blk, key, b in zip(blocks, keys, boundaries, strict=True):
-            key1[blk] = key
-            b1[blk] = b
-            group[blk] = group_id
+        if self._k_keys is not None:
+            self._k_keys(key1, b1, group, blocks, keys, boundaries, group_id)
+        else:
+            for blk, key, b in zip(blocks, keys, boundaries, strict=True):
+                key1[blk] = key
+                b1[blk] = b
+                group[blk] = group_id
         self.ghost.discard_many(group_id, keys)
         self.num_published[_FULL] += len(keys)
         return list(boundaries)
@@ -207,6 +223,10 @@ class BlockPool:
 
     def adopt_many(self, blocks: Iterable[int]) -> None:
         ref, remove = self.ref, self.policy.remove
+        if self._k_adopt is not None:
+            for b in self._k_adopt(ref, blocks):  # those whose count was 0
+                remove(b)
+            return
         for b in blocks:
             c = ref[b]
             if not c:
@@ -231,6 +251,14 @@ class BlockPool:
         `ordered` lists the references in the unkeyed run order of spec §11.2 (ascending group,
         descending table position, …); keyed blocks are re-sorted for the tail.
         """
+        if self._k_release is not None:
+            split = self._k_release(
+                self.ref, ordered, self._key1, self.group, self._b1, len(self.index) > 1
+            )
+            if split is not None:  # the zero batch, split and ordered as `_queue` does
+                self._batch += 1
+                self.policy.release(*split)
+            return
         ref = self.ref
         zero: list[int] = []
         for b in ordered:
@@ -284,6 +312,28 @@ class BlockPool:
         index for the ghost record with one BlockRemoved event, in block order and ascending
         boundary within a block.
         """
+        if self._k_evict is not None:
+            gone, num_blocks = self._k_evict(
+                blocks, self._key1, self._b1, self.group, self.ref, self.index, self._more,
+                group_id, ref_count,
+            )  # fmt: skip
+        else:
+            gone, num_blocks = self._unkey(blocks, group_id, ref_count)
+        if not num_blocks:
+            return
+        if self.events.enabled:
+            removed, page = self.events.removed, self._full_page
+            for gid, key, bd in gone:
+                removed(gid, key, bd, entry_kind(page[gid], bd))
+        self.ghost.add_many(gone)
+        self.num_removed_keys += len(gone)
+        self.num_evicted_blocks += num_blocks
+
+    def _unkey(
+        self, blocks: Iterable[int], group_id: int, ref_count: int
+    ) -> tuple[list[tuple[int, bytes, int]], int]:
+        """`_evict_keys`' loop: the keys leave the index as (group, key, boundary) rows;
+        returns them and the number of blocks that had keys."""
         key1, b1, group, index, more_of = self._key1, self._b1, self.group, self.index, self._more
         ref = self.ref
         gone: list[tuple[int, bytes, int]] = []
@@ -303,15 +353,7 @@ class BlockPool:
                 num_blocks += 1
             ref[b] = ref_count
             group[b] = group_id
-        if not num_blocks:
-            return
-        if self.events.enabled:
-            removed, page = self.events.removed, self._full_page
-            for gid, key, bd in gone:
-                removed(gid, key, bd, entry_kind(page[gid], bd))
-        self.ghost.add_many(gone)
-        self.num_removed_keys += len(gone)
-        self.num_evicted_blocks += num_blocks
+        return gone, num_blocks
 
     def clear_keys(self) -> None:
         """`reset()`: drop every key and the ghost record, recording AllBlocksCleared; the

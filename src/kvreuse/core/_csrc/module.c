@@ -1,0 +1,60 @@
+/*
+ * kvreuse.core._native: optional C kernels for the core's per-unit and per-block hot paths.
+ *
+ * Every kernel implements one method of a pure-Python owner (hashing.Chain in chain.c,
+ * policy.LRUPolicy in queue.c, pool.BlockPool in pool.c) on that owner's own state: the flat
+ * arrays, lists and dicts are passed in and changed in place, exactly as the Python method would
+ * change them. The pure-Python code is the reference; tests/core/test_native*.py compare the two.
+ * SHA-256 comes from the libcrypto that hashlib loaded, else portable code (sha256.c).
+ *
+ * KVR_SOURCE_SHA256 (set by setup.py) is the digest of the sources in this folder at build time:
+ * the loader (native.py) recomputes it, so a stale build never shadows an edited source.
+ */
+#include "kvr.h"
+
+#ifndef KVR_SOURCE_SHA256
+#define KVR_SOURCE_SHA256 "unknown"
+#endif
+
+static PyMethodDef methods[] = {
+    {"sha256", kvr_sha256_digest, METH_VARARGS, "sha256(data, portable=False) -> bytes"},
+    {"sha256_units", (PyCFunction)(void (*)(void))kvr_sha256_units, METH_FASTCALL,
+     "sha256_units(parent, pre, mid, la_hdr, tail, tokens, first, num_units, unit, lookahead"
+     "[, portable]) -> list[bytes]: a run of chained unit digests"},
+    {"lru_pop_many", (PyCFunction)(void (*)(void))kvr_lru_pop_many, METH_FASTCALL,
+     "lru_pop_many(nxt, prv, inq, count) -> list[int]: LRUPolicy.pop_many's unlinking"},
+    {"lru_link", (PyCFunction)(void (*)(void))kvr_lru_link, METH_FASTCALL,
+     "lru_link(nxt, prv, inq, unkeyed, keyed): LRUPolicy.release's linking"},
+    {"ref_adopt", (PyCFunction)(void (*)(void))kvr_ref_adopt, METH_FASTCALL,
+     "ref_adopt(ref, blocks) -> list[int]: the blocks whose count was 0"},
+    {"ref_release", (PyCFunction)(void (*)(void))kvr_ref_release, METH_FASTCALL,
+     "ref_release(ref, ordered, key1, group, b1, multi_group) -> None | (unkeyed, keyed)"},
+    {"evict_keys", (PyCFunction)(void (*)(void))kvr_evict_keys, METH_FASTCALL,
+     "evict_keys(blocks, key1, b1, group, ref, index, more, group_id, ref_count)"
+     " -> (gone, num_blocks)"},
+    {"key_pages", (PyCFunction)(void (*)(void))kvr_key_pages, METH_FASTCALL,
+     "key_pages(key1, b1, group, blocks, keys, boundaries, group_id)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "kvreuse.core._native", "Optional C kernels of the kvreuse core.", -1,
+    methods,
+};
+
+PyMODINIT_FUNC
+PyInit__native(void)
+{
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    kvr_sha256_load();
+    if (PyModule_AddStringConstant(m, "SOURCE_SHA256", KVR_SOURCE_SHA256) < 0 ||
+        PyModule_AddStringConstant(m, "SHA256_BACKEND",
+                                   kvr_sha256_backend()) < 0 ||
+        PyModule_AddStringConstant(m, "SHA256_LIBRARY", kvr_sha256_library()) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

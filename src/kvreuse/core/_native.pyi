@@ -1,0 +1,64 @@
+# Types of the optional C kernels (the sources are in _csrc/; the loader is native.py).
+from array import array
+from collections.abc import Iterable, Sequence
+
+SOURCE_SHA256: str
+SHA256_BACKEND: str
+SHA256_LIBRARY: str
+
+def sha256(data: bytes, portable: bool = ..., /) -> bytes: ...
+def sha256_units(
+    parent: bytes,
+    pre: bytes,
+    mid: bytes,
+    la_hdr: bytes,
+    tail: bytes,
+    tokens: Sequence[int],
+    first: int,
+    num_units: int,
+    unit: int,
+    lookahead: int,
+    portable: bool = ...,
+    /,
+) -> list[bytes]: ...
+def lru_pop_many(nxt: array[int], prv: array[int], inq: bytearray, count: int, /) -> list[int]: ...
+def lru_link(
+    nxt: array[int],
+    prv: array[int],
+    inq: bytearray,
+    unkeyed: Sequence[int],
+    keyed: Sequence[int],
+    /,
+) -> None: ...
+def ref_adopt(ref: array[int], blocks: Iterable[int], /) -> list[int]: ...
+def ref_release(
+    ref: array[int],
+    ordered: Iterable[int],
+    key1: list[bytes | None],
+    group: array[int],
+    b1: array[int],
+    multi_group: bool,
+    /,
+) -> tuple[list[int], list[int]] | None: ...
+def evict_keys(
+    blocks: Iterable[int],
+    key1: list[bytes | None],
+    b1: array[int],
+    group: array[int],
+    ref: array[int],
+    index: list[dict[bytes, int]],
+    more: dict[int, list[tuple[int, bytes]]],
+    group_id: int,
+    ref_count: int,
+    /,
+) -> tuple[list[tuple[int, bytes, int]], int]: ...
+def key_pages(
+    key1: list[bytes | None],
+    b1: array[int],
+    group: array[int],
+    blocks: Sequence[int],
+    keys: Sequence[bytes],
+    boundaries: Sequence[int],
+    group_id: int,
+    /,
+) -> None: ...
