@@ -24,19 +24,33 @@ from itertools import compress
 from kvreuse.core.config import GroupGeometry
 
 
-def _full_run(keys: Container[bytes], hashes: list[bytes], step: int, num_pages: int) -> int:
+def _full_run(
+    keys: Container[bytes], hashes: list[bytes], step: int, num_pages: int, pages: list[int] | None
+) -> int:
     """The number of leading pages whose full key is in `keys`.
 
     Probed in C (`map` over a strided slice) in chunks that grow ×4, so a long hit costs a few
-    C loops and a miss on the first page costs one small one.
+    C loops and a miss on the first page costs one small one. With `pages` (a list to fill, for
+    `keys` that map a key to its block), the blocks of the run are appended to it from the same
+    probes, so the lookup's slots need no second pass over the index.
     """
+    get = getattr(keys, "get", None) if pages is not None else None
     contains = keys.__contains__
     run, chunk = 0, 64
     while run < num_pages:
         stop = min(run + chunk, num_pages)
-        flags = list(map(contains, hashes[(run + 1) * step : stop * step + 1 : step]))
-        if not all(flags):
-            return run + flags.index(False)
+        strided = hashes[(run + 1) * step : stop * step + 1 : step]
+        if get is not None and pages is not None:
+            found = list(map(get, strided))  # block ids are ≥ 1: None is a missing key
+            if None in found:
+                miss = found.index(None)
+                pages.extend(found[:miss])
+                return run + miss
+            pages.extend(found)
+        else:
+            flags = list(map(contains, strided))
+            if not all(flags):
+                return run + flags.index(False)
         run, chunk = stop, chunk * 4
     return run
 
@@ -79,7 +93,7 @@ class FullProbe(Probe):
     """Full attention: x ≤ F, where F is the leading run of complete pages plus the highest
     entry in the next page (the covering rule). Downward-closed, so m_g(c) = min(c, F)."""
 
-    __slots__ = ("F",)
+    __slots__ = ("F", "pages")
 
     def __init__(
         self, g: GroupGeometry, keys: Container[bytes], hashes: list[bytes], u: int, nu: int
@@ -87,7 +101,9 @@ class FullProbe(Probe):
         super().__init__(g, keys, hashes, u, nu)
         B = g.page_size
         step = B // u
-        q_end = _full_run(keys, hashes, step, nu // B) * step  # units of the last full page
+        # the blocks of the leading full pages, when `keys` maps keys to blocks (an index)
+        self.pages: list[int] | None = [] if hasattr(keys, "get") else None
+        q_end = _full_run(keys, hashes, step, nu // B, self.pages) * step  # last full page
         self.F = q_end * u
         for b in range(min(q_end * u + B, nu), q_end * u, -u):  # page q, highest first
             if hashes[b // u] in keys:

@@ -229,7 +229,7 @@ def compute_lookup(
     ):  # only this request's own keys are ever probed: with none pending, pending_hit = hit
         merged = [_Union(idx, pend) for idx, pend in zip(keysets, pending, strict=True)]
         pending_bounds = _bounds(geo, _probes(geo, merged, hashes, nu), top)
-    slots, copy_src, state_src = _slots(geo, keysets, hashes, hit, nu)
+    slots, copy_src, state_src = _slots(geo, keysets, hashes, hit, nu, probes)
     limits = {
         gid: p.largest(top, geo.spec_mode == "drop" and p.g.is_draft) for gid, p in probes.items()
     }
@@ -252,7 +252,12 @@ def compute_lookup(
 
 
 def _slots(
-    geo: Geometry, keysets: Sequence[Mapping[bytes, int]], hashes: list[bytes], hit: int, nu: int
+    geo: Geometry,
+    keysets: Sequence[Mapping[bytes, int]],
+    hashes: list[bytes],
+    hit: int,
+    nu: int,
+    probes: Mapping[int, Probe],
 ) -> tuple[dict[int, list[int]], dict[int, int | None], dict[int, int | None]]:
     u = geo.hash_unit
     slots: dict[int, list[int]] = {}
@@ -266,9 +271,14 @@ def _slots(
         B = g.page_size
         first = g.needed_from(hit)
         full_pages = hit // B
-        row = [NULL] * first
         k = B // u  # units per page: the full key of page j is H[(j + 1)·k]
-        row.extend(map(idx.__getitem__, hashes[(first + 1) * k : full_pages * k + 1 : k]))
+        pages = getattr(probes[g.group_id], "pages", None)  # a full group's probe read them
+        if pages is not None and first == 0 and full_pages <= len(pages):
+            del pages[full_pages:]  # the probe is done with it: the row takes it over
+            row = pages
+        else:
+            row = [NULL] * first
+            row.extend(map(idx.__getitem__, hashes[(first + 1) * k : full_pages * k + 1 : k]))
         src = None
         if hit % B and first <= full_pages:
             for b in range(min((full_pages + 1) * B, nu), hit - 1, -u):
