@@ -33,7 +33,10 @@ def static_length(prompt: Any) -> int | None:
     return None
 
 
-class Feeder:
+class Arrivals:
+    """The workload's requests in arrival order, each due once every request it depends on has
+    finished: the part of feeding that the single simulator and the fleet's share."""
+
     def __init__(self, workload: list[WorkloadRequest], max_model_len: int | None) -> None:
         self.workload = workload
         self.max_model_len = max_model_len
@@ -43,7 +46,7 @@ class Feeder:
         self.dependents: dict[int, list[int]] = {}
         self.quotes: dict[str, int] = {}  # history id -> requests that have yet to quote it
         for i, w in enumerate(workload):
-            self._check_length(w, static_length(w.prompt))
+            self.check_length(w, static_length(w.prompt))
             deps = w.dependencies()
             self.missing[i] = len(deps)
             for dep in deps:
@@ -54,12 +57,9 @@ class Feeder:
         self.timed = [(w.arrival, i) for i, w in enumerate(workload) if not self.missing[i]]
         heapq.heapify(self.timed)
         self.resolved_at: dict[int, float] = {}  # when the last dependency finished
-        self.ready: deque[tuple[int, float]] = deque()  # (index, ready since), workload order
         self.history: dict[str, array.array[int]] = {}
-        self.arrived: dict[str, float] = {}  # handed-over requests: ready since (their arrival)
-        self.num_handed = 0
 
-    def _check_length(self, w: WorkloadRequest, num_tokens: int | None) -> None:
+    def check_length(self, w: WorkloadRequest, num_tokens: int | None) -> None:
         if num_tokens is None:
             return
         if num_tokens == 0:
@@ -71,42 +71,32 @@ class Feeder:
                 f"{w.max_tokens:,} max_tokens exceed max_model_len {limit:,}"
             )
 
-    @property
-    def done(self) -> bool:
-        """Every request was handed to the scheduler."""
-        return self.num_handed == len(self.workload)
-
     def next_arrival(self) -> float | None:
         """When the next request whose dependencies finished arrives (None: none waits)."""
         return self.timed[0][0] if self.timed else None
 
-    def release(self, clock: float) -> None:
-        """Move the requests that are ready at `clock` to the ready queue, in workload order."""
+    def due(self, clock: float) -> list[tuple[int, float]]:
+        """(workload index, ready since) of the requests ready at `clock`, in workload order."""
         timed, now = self.timed, []
         while timed and timed[0][0] <= clock:
             now.append(heapq.heappop(timed)[1])
-        for i in sorted(now):
-            self.ready.append((i, max(self.workload[i].arrival, self.resolved_at.pop(i, 0.0))))
+        arrival, resolved = self.workload, self.resolved_at
+        return [(i, max(arrival[i].arrival, resolved.pop(i, 0.0))) for i in sorted(now)]
 
-    def feed(self, sched: Scheduler, limit: int) -> None:
-        """Hand ready requests to `sched` while its queue is shorter than `limit`."""
-        while self.ready and len(sched.waiting) < limit:
-            i, since = self.ready.popleft()
-            w = self.workload[i]
-            tokens = tokens_of(w.prompt, self.history)
-            for h in w.histories():  # forget a history once its last reader has it
-                self.quotes[h] -= 1
-                if not self.quotes[h]:
-                    del self.quotes[h], self.history[h]
-            self._check_length(w, len(tokens))
-            request = Request(w.request_id, tokens, lora=w.lora, cache_salt=w.cache_salt)
-            sched.add(request, w.max_tokens)
-            self.arrived[w.request_id] = since
-            self.num_handed += 1
+    def tokens(self, i: int) -> array.array[int]:
+        """Request i's prompt, resolved now; a history is forgotten once its last reader has it."""
+        w = self.workload[i]
+        tokens = tokens_of(w.prompt, self.history)
+        for h in w.histories():
+            self.quotes[h] -= 1
+            if not self.quotes[h]:
+                del self.quotes[h], self.history[h]
+        self.check_length(w, len(tokens))
+        return tokens
 
     def finished(self, seq: Seq, clock: float) -> None:
-        """`seq` finished at `clock`: keep its tokens if a later prompt quotes them, and release
-        the requests that waited for it."""
+        """`seq` finished at `clock`: keep its tokens if a later prompt quotes them, and make the
+        requests that waited for it due."""
         rid = seq.request_id
         if self.quotes.get(rid):
             self.history[rid] = tokens_of({"tokens": seq.request.prompt_token_ids}, {})
@@ -116,3 +106,32 @@ class Feeder:
             if not self.missing[j]:
                 self.resolved_at[j] = clock
                 heapq.heappush(self.timed, (self.workload[j].arrival, j))
+
+
+class Feeder(Arrivals):
+    """Hands ready requests to one scheduler while its queue is short (the module docstring)."""
+
+    def __init__(self, workload: list[WorkloadRequest], max_model_len: int | None) -> None:
+        super().__init__(workload, max_model_len)
+        self.ready: deque[tuple[int, float]] = deque()  # (index, ready since), workload order
+        self.arrived: dict[str, float] = {}  # handed-over requests: ready since (their arrival)
+        self.num_handed = 0
+
+    @property
+    def done(self) -> bool:
+        """Every request was handed to the scheduler."""
+        return self.num_handed == len(self.workload)
+
+    def release(self, clock: float) -> None:
+        """Move the requests that are ready at `clock` to the ready queue, in workload order."""
+        self.ready.extend(self.due(clock))
+
+    def feed(self, sched: Scheduler, limit: int) -> None:
+        """Hand ready requests to `sched` while its queue is shorter than `limit`."""
+        while self.ready and len(sched.waiting) < limit:
+            i, since = self.ready.popleft()
+            w = self.workload[i]
+            request = Request(w.request_id, self.tokens(i), lora=w.lora, cache_salt=w.cache_salt)
+            sched.add(request, w.max_tokens)
+            self.arrived[w.request_id] = since
+            self.num_handed += 1
