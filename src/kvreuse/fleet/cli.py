@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from kvreuse.core import ConfigError
-from kvreuse.deployment import Deployment, GeometryError, preset, resolve
+from kvreuse.deployment import Deployment, GeometryError
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT, POLICIES, TEXT_MATCH_THRESHOLD
-from kvreuse.sim.cli import with_pool
+from kvreuse.sim.cli import read_inputs
 from kvreuse.sim.cost import CostModel
 from kvreuse.sim.progress import Progress
 from kvreuse.sim.run import SimulationError
-from kvreuse.sim.workload import WorkloadError, WorkloadRequest, load_workload
+from kvreuse.sim.workload import WorkloadError, WorkloadRequest
 from kvreuse.sim.workload_cli import int_range, number
 
 INTERRUPTED = 130
@@ -82,28 +82,6 @@ def _fail(message: object, code: int = 2) -> int:
     return code
 
 
-def _inputs(args: argparse.Namespace) -> tuple[Deployment, list[WorkloadRequest]]:
-    if args.preset:
-        if len(args.files) != 1:
-            raise GeometryError("with --geometry, give only the workload file")
-        dep, path = preset(args.preset), Path(args.files[0])
-    else:
-        if len(args.files) != 2:
-            raise GeometryError("give GEOMETRY.toml and WORKLOAD.jsonl (or --geometry NAME)")
-        dep, path = resolve(Path(args.files[0])), Path(args.files[1])
-    try:
-        with path.open(encoding="utf-8") as lines:  # read line by line, never whole
-            workload = load_workload(lines)
-    except (OSError, UnicodeDecodeError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise WorkloadError(f"{path}: cannot read the workload file ({why})") from None
-    except WorkloadError as exc:
-        raise WorkloadError(f"{path}: {exc}") from None
-    if not workload:
-        raise WorkloadError(f"{path}: no requests (write one with kvreuse workload KIND)")
-    return with_pool(dep, args.num_blocks, args.capacity_tokens), workload
-
-
 def _outputs(out: Path, policies: list[str]) -> list[Path]:
     """The files a run writes, checked writable before it starts."""
     if out.exists() and not out.is_dir():
@@ -139,7 +117,7 @@ def run_fleet(args: argparse.Namespace) -> int:
     args.shared_tier_capacity = getattr(args, "shared_tier_capacity", None)
     policies = list(dict.fromkeys(args.policy or ["exact"]))
     try:
-        dep, workload = _inputs(args)
+        dep, workload = read_inputs(args)
         cost = CostModel.for_deployment(
             dep,
             prefill_tokens_per_s=args.prefill_tokens_per_s,

@@ -120,7 +120,9 @@ def _fail(message: object, code: int = 2) -> int:
     return code
 
 
-def _inputs(args: argparse.Namespace) -> tuple[Deployment, list[WorkloadRequest]]:
+def read_inputs(args: argparse.Namespace) -> tuple[Deployment, list[WorkloadRequest]]:
+    """The deployment (its pool resized by --num-blocks / --capacity-tokens) and the workload
+    of `kvreuse simulate`'s arguments, for the single and the fleet simulation alike."""
     if args.preset:
         if len(args.files) != 1:
             raise GeometryError("with --geometry, give only the workload file")
@@ -185,7 +187,7 @@ def prepare_out(out: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        geo, workload = _inputs(args)
+        geo, workload = read_inputs(args)
         cost = CostModel.for_deployment(  # the geometry's [cost], then the options given
             geo, prefill_tokens_per_s=args.prefill_tokens_per_s, decode_step_s=args.decode_step_s
         )
