@@ -185,6 +185,17 @@ def test_a_subscribers_mirror_is_used_as_is() -> None:
         router.index("pod-9")
 
 
+def test_a_restarted_replica_is_followed_through_a_fresh_mirror() -> None:
+    fleet = Fleet(ATTENTION, 2, "exact", load_weight=0.0)
+    tokens = prompt(3, 96)
+    fleet.run_on(1, tokens)
+    assert fleet.route(tokens) == (1, (0, 80))  # replica 1 holds the prefix
+    fleet.router.replace_mirror(1, ReplicaMirror(ATTENTION.geometry))  # it restarted empty
+    assert fleet.route(tokens)[1] == (0, 0)
+    with pytest.raises(ValueError, match="another geometry"):
+        fleet.router.replace_mirror(0, ReplicaMirror(HYBRID.geometry))
+
+
 @pytest.mark.parametrize("weight", [-1, math.nan, math.inf, True, "1"])
 def test_a_bad_load_weight_is_one_clear_error(weight: object) -> None:
     with pytest.raises(ValueError, match="load_weight must be a finite number ≥ 0"):

@@ -97,6 +97,27 @@ class Subscriber:
         self._poller.register(sub, zmq.POLLIN)
         return mirror
 
+    def set_replay_endpoint(self, name: str, replay_endpoint: str) -> None:
+        """Connect (or reconnect) a followed replica's replay socket: a replica started by the
+        caller may say where it listens only after its stream is followed."""
+        stream = self.stream(name)
+        sock = self._ctx.socket(zmq.DEALER)
+        try:
+            sock.connect(replay_endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise ValueError(
+                f"replica {name!r}: replay endpoint {replay_endpoint}: {exc}"
+            ) from None
+        if stream.replay is not None:
+            stream.replay.close(linger=0)
+        stream.replay = sock
+
+    def bound_endpoint(self, name: str) -> str:
+        """The endpoint the replica's stream socket last bound or connected (the port a
+        `tcp://host:0` endpoint was given)."""
+        return str(self.stream(name).sub.getsockopt_string(zmq.LAST_ENDPOINT))
+
     def mirror(self, name: str) -> ReplicaMirror:
         return self.stream(name).mirror
 

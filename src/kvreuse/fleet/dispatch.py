@@ -23,8 +23,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-import zmq
-
 from kvreuse.core import CacheConfig
 from kvreuse.events import ReplicaMirror, Subscriber
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT
@@ -117,28 +115,15 @@ class Dispatcher:
         mirror = sub.add_replica(
             member.name, self.router.geometry, member.endpoint, bind=member.bind
         )
-        stream = sub.stream(member.name)
         if member.bind is not False and member.endpoint.endswith(":0"):
-            member.endpoint = stream.sub.getsockopt_string(zmq.LAST_ENDPOINT)
+            member.endpoint = sub.bound_endpoint(member.name)
         member.subscriber = sub
         return mirror
 
     def set_replay(self, member: Member, endpoint: str) -> None:
         """Connect to the replica's replay socket (known only once a local replica started)."""
         with self._lock:
-            stream = member.subscriber.stream(member.name)
-            if stream.replay is not None:
-                stream.replay.close(linger=0)
-            # Subscriber.add_replica connects the replay socket only at once; this is the same
-            # DEALER socket it would have made, attached later.
-            sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-            try:
-                sock.connect(endpoint)
-            except zmq.ZMQError as exc:
-                sock.close(linger=0)
-                why = f"replica {member.name}: replay endpoint {endpoint}: {exc}"
-                raise ValueError(why) from None
-            stream.replay = sock
+            member.subscriber.set_replay_endpoint(member.name, endpoint)
             member.replay_endpoint = endpoint
             self._catch_up(member)
 
@@ -152,7 +137,7 @@ class Dispatcher:
         with self._lock:
             member.subscriber.close()
             mirror = self._subscribe(member)
-            self.router.mirrors[member.index] = mirror
+            self.router.replace_mirror(member.index, mirror)
             replay = member.replay_endpoint
         if replay is not None:
             self.set_replay(member, replay)

@@ -112,6 +112,15 @@ class Router:
         self.policy.added(len(self.names) - 1)
         return mirror
 
+    def replace_mirror(self, replica: int, mirror: ReplicaMirror) -> None:
+        """Follow a restarted replica through a new mirror (it holds nothing and numbers its
+        batches from 0 again)."""
+        if mirror.geometry != self.geometry:
+            raise ValueError(
+                f"replica {self.names[replica]!r}: the new mirror has another geometry"
+            )
+        self.mirrors[replica] = mirror
+
     def index(self, name: str) -> int:
         try:
             return self.names.index(name)
