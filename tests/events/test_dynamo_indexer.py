@@ -21,9 +21,12 @@ import pytest
 for _name in ("fastapi", "uvicorn", "httpx"):
     pytest.importorskip(_name, reason="this test runs a server: pip install -e '.[server]'")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "dynamo"))
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path[:0] = [str(BENCHMARKS / "dynamo"), str(BENCHMARKS)]
 
 from dynamo_live import DYNAMO_PYTHON, SETUP, dynamo_following, dynamo_rows, scripted_backend  # noqa: E402
+from dynamo_prediction import tight_pool  # noqa: E402
+from dynamo_prediction import workload as prediction_workload  # noqa: E402
 
 from kvreuse.deployment import resolve  # noqa: E402
 from kvreuse.sim.generators import agent, shared_prefix  # noqa: E402
@@ -71,3 +74,21 @@ def test_routable_keeps_dynamo_exact_on_a_dense_hybrid_that_evicts() -> None:
             errors[mode] = [r.predicted - r.cached for r in dynamo_rows(replica, indexer, lines)]
     assert errors["routable"] == [0] * len(lines)
     assert min(errors["groups"]) < 0
+
+
+@pytest.mark.parametrize("evicts", [False, True])
+def test_routable_is_never_worse_than_groups_on_a_sparse_hybrid(evicts: bool) -> None:
+    """hybrid-dcp4 with sparse states (D40), on benchmarks/dynamo_prediction.py's workload:
+    without eviction both modes publish the same chain and err alike (a request diverging
+    between two checkpoints); once states and pages are evicted, `routable` errs strictly less."""
+    dep = resolve("hybrid-dcp4")
+    if evicts:
+        dep = replace(dep, cache=replace(dep.cache, num_blocks=tight_pool(dep)))
+    lines = prediction_workload(dep.cache.geometry.hash_unit, quick=False)
+    total = {}
+    for mode in ("groups", "routable"):
+        with dynamo_following(scripted_backend(dep), mode) as (replica, indexer):
+            rows = list(dynamo_rows(replica, indexer, lines))
+        total[mode] = sum(abs(r.predicted - r.cached) for r in rows)
+    assert total["routable"] <= total["groups"]
+    assert (total["routable"] < total["groups"]) == evicts
