@@ -23,7 +23,7 @@ from typing import Any
 from kvreuse.core import ConfigError
 from kvreuse.deployment import Deployment, GeometryError
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT, POLICIES, TEXT_MATCH_THRESHOLD
-from kvreuse.sim.cli import read_inputs
+from kvreuse.sim.cli import prepare_out, read_inputs
 from kvreuse.sim.cost import CostModel
 from kvreuse.sim.progress import Progress
 from kvreuse.sim.run import SimulationError
@@ -84,18 +84,9 @@ def _fail(message: object, code: int = 2) -> int:
 
 def _outputs(out: Path, policies: list[str]) -> list[Path]:
     """The files a run writes, checked writable before it starts."""
-    if out.exists() and not out.is_dir():
-        raise OSError(f"--out {out}: exists and is not a directory")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OSError(f"--out {out}: cannot create the directory ({exc.strerror})") from None
-    paths = [out / "fleet.json", out / "fleet.md"]
-    paths += [out / f"fleet-requests-{p}.jsonl" for p in policies]
-    for path in paths:
-        if path.exists() and not path.is_file():
-            raise OSError(f"--out {out}: {path.name} exists and is not a file")
-    return paths
+    names = ["fleet.json", "fleet.md", *(f"fleet-requests-{p}.jsonl" for p in policies)]
+    prepare_out(out, names)
+    return [out / name for name in names]
 
 
 def _check_fleet(args: argparse.Namespace, dep: Deployment, policies: list[str]) -> None:

@@ -12,7 +12,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
@@ -169,8 +169,8 @@ def _require_matplotlib() -> None:
         ) from None
 
 
-def prepare_out(out: Path) -> None:
-    """Create `out` and check that every output can be written there, before the run."""
+def prepare_out(out: Path, outputs: Iterable[str] = OUTPUTS) -> None:
+    """Create `out` and check that every output file can be written there, before the run."""
     if out.exists() and not out.is_dir():
         raise OSError(f"--out {out}: exists and is not a directory")
     try:
@@ -179,7 +179,7 @@ def prepare_out(out: Path) -> None:
         raise OSError(f"--out {out}: cannot create the directory ({exc.strerror})") from None
     if not os.access(out, os.W_OK | os.X_OK):
         raise OSError(f"--out {out}: the directory is not writable")
-    for name in OUTPUTS:
+    for name in outputs:
         path = out / name
         if path.exists() and (not path.is_file() or not os.access(path, os.W_OK)):
             raise OSError(f"--out {out}: {name} exists and cannot be overwritten")

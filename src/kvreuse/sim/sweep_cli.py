@@ -20,6 +20,7 @@ from typing import Any
 
 from kvreuse.core import ConfigError
 from kvreuse.deployment import Deployment, GeometryError, resolve
+from kvreuse.sim.cli import prepare_out
 from kvreuse.sim.cost import CostModel
 from kvreuse.sim.progress import Progress
 from kvreuse.sim.sweep import (
@@ -135,19 +136,7 @@ def _check_options(args: argparse.Namespace) -> None:
             "the plots need matplotlib, which is not installed: "
             "pip install -e '.[sim]' (or pass --no-plots)"
         )
-    out = args.out
-    if out.exists() and not out.is_dir():
-        raise OSError(f"--out {out}: exists and is not a directory")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OSError(f"--out {out}: cannot create the directory ({exc.strerror})") from None
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise OSError(f"--out {out}: the directory is not writable")
-    for name in OUTPUTS:
-        path = out / name
-        if path.exists() and (not path.is_file() or not os.access(path, os.W_OK)):
-            raise OSError(f"--out {out}: {name} exists and cannot be overwritten")
+    prepare_out(args.out, OUTPUTS)
 
 
 def run(args: argparse.Namespace) -> int:
