@@ -12,6 +12,7 @@ hybrids are measured by benchmarks/dynamo_prediction.py.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -22,14 +23,19 @@ for _name in ("fastapi", "uvicorn", "httpx"):
     pytest.importorskip(_name, reason="this test runs a server: pip install -e '.[server]'")
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path[:0] = [str(BENCHMARKS / "dynamo"), str(BENCHMARKS)]
+sys.path.insert(0, str(BENCHMARKS / "dynamo"))  # not benchmarks/ itself: its ray/ would shadow ray
 
 from dynamo_live import DYNAMO_PYTHON, SETUP, dynamo_following, dynamo_rows, scripted_backend  # noqa: E402
-from dynamo_prediction import tight_pool  # noqa: E402
-from dynamo_prediction import workload as prediction_workload  # noqa: E402
 
 from kvreuse.deployment import resolve  # noqa: E402
 from kvreuse.sim.generators import agent, shared_prefix  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location(
+    "dynamo_prediction", BENCHMARKS / "dynamo_prediction.py"
+)
+assert _spec is not None and _spec.loader is not None
+prediction = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(prediction)
 
 pytestmark = pytest.mark.skipif(
     not DYNAMO_PYTHON.exists(), reason=f"Dynamo's venv is absent: build it with `{SETUP}`"
@@ -83,8 +89,8 @@ def test_routable_is_never_worse_than_groups_on_a_sparse_hybrid(evicts: bool) ->
     between two checkpoints); once states and pages are evicted, `routable` errs strictly less."""
     dep = resolve("hybrid-dcp4")
     if evicts:
-        dep = replace(dep, cache=replace(dep.cache, num_blocks=tight_pool(dep)))
-    lines = prediction_workload(dep.cache.geometry.hash_unit, quick=False)
+        dep = replace(dep, cache=replace(dep.cache, num_blocks=prediction.tight_pool(dep)))
+    lines = prediction.workload(dep.cache.geometry.hash_unit, quick=False)
     total = {}
     for mode in ("groups", "routable"):
         with dynamo_following(scripted_backend(dep), mode) as (replica, indexer):
