@@ -7,41 +7,31 @@ geometries."""
 from __future__ import annotations
 
 import random
+import sys
+from dataclasses import replace
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvreuse.core import CacheConfig, GroupSpec, KVCacheManager, Request
+from kvreuse.core import CacheConfig, KVCacheManager, Request
 from kvreuse.events import Converter
 from kvreuse.fleet.router import Router
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "events"))
+from replica import GEOMETRIES as REPLICA_GEOMETRIES
+
+# the events tests' geometries, in pools small enough that the histories evict
 GEOMETRIES = {
-    "attention": CacheConfig(num_blocks=24, groups=[GroupSpec(kind="full", block_size=16)]),
-    "dcp4-hybrid": CacheConfig(
-        num_blocks=48,
-        dcp_size=4,
-        hash_unit=8,
-        groups=[GroupSpec(kind="full", block_size=32), GroupSpec(kind="recurrent", block_size=8)],
-    ),
-    "sliding-hybrid": CacheConfig(
-        num_blocks=96,
-        groups=[
-            GroupSpec(kind="full", block_size=16),
-            GroupSpec(kind="sliding", block_size=16, window=48),
-            GroupSpec(kind="recurrent", block_size=16),
-        ],
-    ),
-    "spec-drop": CacheConfig(
-        num_blocks=96,
-        spec_mode="drop",
-        groups=[
-            GroupSpec(kind="full", block_size=16),
-            GroupSpec(kind="recurrent", block_size=16),
-            GroupSpec(kind="full", block_size=16, role="draft"),
-        ],
-    ),
+    name: replace(REPLICA_GEOMETRIES[name], num_blocks=num_blocks)
+    for name, num_blocks in (
+        ("attention", 24),
+        ("dcp4-hybrid", 48),
+        ("sliding-hybrid", 96),
+        ("spec-drop", 96),
+    )
 }
 
 
