@@ -56,3 +56,32 @@ def test_commit_batch_takes_outcomes_in_plan_order() -> None:
     mgr.commit_batch(step.step_id, [(7, [1]), None])
     mgr.check_invariants()
     assert "b" not in mgr.requests and mgr.requests["a"].committed == 7
+
+
+@pytest.mark.parametrize("page", [4, 8])
+@pytest.mark.parametrize("lookahead", [0, 1, 2, 4])
+def test_decode_commits_publish_every_boundary_they_complete(page: int, lookahead: int) -> None:
+    """Each commit makes findable every unit boundary in (0, min(T, units·u)], where the chain
+    holds the units with k·u + L ≤ N (spec §10.3). In lookahead mode a one-token decode step
+    inside one unit still completes a unit of the chain (the boundary L tokens back): its
+    commit must publish it then, not one step later."""
+    spec = {"spec_mode": "lookahead", "lookahead_tokens": lookahead} if lookahead else {}
+    cfg = CacheConfig(
+        num_blocks=64, groups=[GroupSpec(kind="full", block_size=page)], hash_unit=4, **spec
+    )
+    mgr = KVCacheManager(cfg)
+    mgr.add_request(Request("a", [3, 1, 4, 1, 5, 9]))
+    res = mgr.lookup("a")
+    assert mgr.allocate("a", 6, lookup=res) is not None
+    step = mgr.seal_step()
+    mgr.commit_batch(step.step_id, [(6, [2])])
+    num_tokens, t = 7, 6
+    for token in range(30):
+        assert mgr.allocate_many(["a"]) != [None]
+        step = mgr.seal_step()
+        mgr.commit_batch(step.step_id, [(t + 1, [token % 7])])
+        num_tokens, t = num_tokens + 1, t + 1
+        mgr.check_invariants()
+        units = (num_tokens - lookahead) // 4
+        want = set(range(4, min(t, units * 4) + 1, 4))
+        assert {row[1] for row in mgr.export_entries()} == want, (t, num_tokens)

@@ -27,6 +27,8 @@ from kvreuse.core.savepoints import (
     step_saves,
 )
 
+NO_PAGE_LIMIT = 1 << 62  # `PlanParts.room` of a model without an attention group
+
 
 # ---------------------------------------------------------------------------- counting
 def hit_blocks(res: LookupResult) -> list[int]:
@@ -202,7 +204,12 @@ def grow(
             slots = req.recurrent[g.group_id]  # live and scratch stay fixed while it runs
             rec[g.group_id] = RecurrentSlot(slots.live, tuple(slots.scratch), "keep")
         empty: dict[int, list[int]] = {g.group_id: [] for g in geo.groups}
-        req.plan_parts = parts = PlanParts({k: list(v) for k, v in req.tables.items()}, rec, empty)
+        tables = {k: list(v) for k, v in req.tables.items()}
+        room = min(
+            (len(tables[g.group_id]) * g.page_size for g in geo.groups if g.is_attention),
+            default=NO_PAGE_LIMIT,
+        )
+        req.plan_parts = parts = PlanParts(tables, rec, empty, room)
         if new_blocks is not None:
             new_blocks = {**empty, **new_blocks}
     req.scheduled = end
@@ -210,7 +217,7 @@ def grow(
     # A quiet decode step (most of them) owes no save: checked here to skip a call per step.
     if geo.recurrent and geo.caching_enabled and not is_quiet_decode(geo, req, start, end):
         saves = _pop_saves(geo, pool, counters, req, start, end)
-    tables, recurrent, no_blocks = parts
+    tables, recurrent, no_blocks, _ = parts
     plan = RequestPlan(  # positional: this runs once per request per decode step
         req.request_id,
         start,
@@ -229,6 +236,27 @@ def grow(
     record.quiet = (
         not saves and start // u == end // u and start == req.committed and not req.inflight
     )
+    return record
+
+
+def grow_plain(geo: Geometry, req: RequestState, num_new: int) -> PlanRecord | None:
+    """`grow` of a growth that adds no page and owes no save (most decode steps), built without
+    its general work; None when the growth is not one (then `grow` runs). The caller has
+    checked `plain_growth`, and the result is the record `grow` would build."""
+    parts = req.plan_parts
+    start = req.scheduled
+    end = start + num_new
+    if parts is None or end > parts.room:
+        return None
+    if geo.recurrent and geo.caching_enabled and not is_quiet_decode(geo, req, start, end):
+        return None
+    req.scheduled = end
+    plan = RequestPlan(  # positional, as in `grow`
+        req.request_id, start, num_new, 0, parts.tables, parts.recurrent, parts.new_blocks, [], []
+    )
+    record = PlanRecord(req, plan, [], [], start, end)
+    u = geo.hash_unit
+    record.quiet = start // u == end // u and start == req.committed and not req.inflight
     return record
 
 

@@ -48,6 +48,21 @@ Checked = tuple[int, list[int], AbstractSet[int] | None]
 def parse_outcome(rec: PlanRecord, outcome: Any) -> Checked:
     """Check one outcome (an `Outcome` or a plain tuple) against spec §10.1."""
     req = rec.req
+    if type(outcome) is tuple and 2 <= len(outcome) <= 3:  # the common decode outcome, first
+        t_new, new_tokens = outcome[0], outcome[1]
+        if (
+            type(t_new) is int
+            and type(new_tokens) is list
+            and len(new_tokens) == 1
+            and t_new == len(req.tokens)  # T′ = N, the one value a single new token allows
+            and rec.start <= t_new <= rec.end
+            and type(new_tokens[0]) is int
+            and 0 <= new_tokens[0] < MAX_TOKEN
+            and (len(outcome) == 2 or outcome[2] is None or not outcome[2])
+        ):
+            if len(outcome) == 2 or outcome[2] is None:
+                return t_new, [new_tokens[0]], None
+            return t_new, [new_tokens[0]], _NO_SAVES
     rid = req.request_id
     if not isinstance(outcome, (tuple, list)) or len(outcome) not in (2, 3):
         raise ValueError(
@@ -136,6 +151,36 @@ def apply_commit(
     req.committed = t_new
     if release:
         pool.release(release)
+
+
+def commit_quiet(geo: Geometry, rec: PlanRecord, outcome: Checked) -> bool:
+    """`apply_commit` of a quiet record (no copy, no save, within one unit) whose commit only
+    appends its tokens, moves T and, on a model without recurrent groups, hashes a unit the
+    tokens complete: no boundary is left to publish, no window group frees a page, and the
+    held rolling states stay the right ones (the same units, T′ in T's unit). Most decode
+    commits are this. False, with nothing changed, otherwise (then `apply_commit` runs)."""
+    if geo.windowed:
+        return False
+    req = rec.req
+    t_new, tokens, _ = outcome
+    u = geo.hash_unit
+    if t_new // u != req.committed // u:
+        return False
+    chain = req.chain
+    num_units = max(chain.num_units, (len(req.tokens) + len(tokens) - geo.lookahead) // u)
+    grows = num_units > chain.num_units  # a unit completes: the chain grows (Chain.extend)
+    if grows and geo.recurrent:
+        return False  # the rolling states to hold may change
+    e = min(t_new, num_units * u)
+    processed = req.processed
+    for gid in geo.published:
+        if e >= processed[gid] + u:  # a boundary in (d, E] to publish (10.3)
+            return False
+    req.tokens.extend(tokens)
+    if grows:
+        chain.extend(req.tokens)
+    req.committed = t_new
+    return True
 
 
 def _publish_attention(geo: Geometry, pool: BlockPool, req: RequestState, gid: int, e: int) -> None:

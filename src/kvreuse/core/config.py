@@ -112,6 +112,8 @@ class Geometry:
     only_full: bool  # every cacheable group is full attention with no drop margin: A1 = … = A4
     has_junction: bool  # recurrent and non-recurrent cacheable groups: a junction may exist
     recurrent: tuple[GroupGeometry, ...] = ()  # the recurrent groups (they plan saves)
+    published: tuple[int, ...] = ()  # gids whose pages a commit publishes (caching on)
+    windowed: bool = False  # a sliding or chunked group: commits free pages leaving its window
 
 
 @dataclass(frozen=True)
@@ -363,4 +365,8 @@ def _resolve(cfg: CacheConfig) -> Geometry:
         has_junction=any(g.kind == "recurrent" for g in cacheable)
         and any(g.kind != "recurrent" for g in cacheable),
         recurrent=tuple(g for g in groups if not g.is_attention),
+        published=tuple(g.group_id for g in cacheable if g.is_attention)
+        if cfg.enable_prefix_caching
+        else (),
+        windowed=any(g.kind in ("sliding", "chunked") for g in groups),
     )

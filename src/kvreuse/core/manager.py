@@ -18,12 +18,14 @@ from kvreuse.core.allocate import (
     admission_required,
     admit,
     grow,
+    grow_plain,
     growth_required,
     hit_blocks,
 )
 from kvreuse.core.commit import (
     Checked,
     apply_commit,
+    commit_quiet,
     release_request,
     settle_in_order,
     settle_outcomes,
@@ -217,7 +219,7 @@ class KVCacheManager:
             st = requests.get(rid)
             if st is None or not plain_growth(st, n):
                 st = check(rid, n, None, 0)  # allocate's own checks: the same errors
-            rec = grow(geo, pool, counters, st, n, 0, pool.num_free)
+            rec = grow_plain(geo, st, n) or grow(geo, pool, counters, st, n, 0, pool.num_free)
             if rec is None:
                 if stop_when_full:
                     break
@@ -256,10 +258,12 @@ class KVCacheManager:
         recs = self.ledger.settle(step_id, StepFate.COMMITTED)
         apply, geo, pool, counters = apply_commit, self.geo, self.pool, self.counters
         for rec, outcome in parsed:
-            apply(geo, pool, counters, rec, outcome)
+            if not (rec.quiet and commit_quiet(geo, rec, outcome)):
+                apply(geo, pool, counters, rec, outcome)
             if not rec.req.inflight:
                 rec.req.scheduled = rec.req.committed
-        self._settle_deferred(recs, discard=False)
+        if len(parsed) < len(recs):  # else no record was withdrawn or deferred
+            self._settle_deferred(recs, discard=False)
         self.epoch += 1
 
     def discard(self, step_id: int) -> None:

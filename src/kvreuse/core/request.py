@@ -109,11 +109,13 @@ class SavePurpose(StrEnum):
 
 
 class PlanParts(NamedTuple):
-    """What every growth plan of a request repeats while no page changes: one shared copy."""
+    """What every growth plan of a request repeats while no page changes: one shared copy, and
+    `room`, the tokens its attention tables cover (a growth to `room` or below adds no page)."""
 
     tables: dict[int, list[int]]
     recurrent: dict[int, RecurrentSlot]
     new_blocks: dict[int, list[int]]
+    room: int
 
 
 @dataclass(eq=False, slots=True)

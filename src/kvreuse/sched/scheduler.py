@@ -105,6 +105,7 @@ class StepStats:
     # blocks referenced once the step's allocations are done: the step's peak, since the
     # commit and the finishes that follow only release blocks
     num_used_blocks: int = 0
+    first_output: list[str] = field(default_factory=list)  # their first token came this step
 
 
 class Scheduler:
@@ -193,7 +194,7 @@ class Scheduler:
                 outcomes = [outcomes[p.request_id] for p in step.requests]
             else:
                 self.mgr.commit_batch(step.step_id, outcomes)
-            self._apply(step, outcomes)
+            self._apply(step, outcomes, stats)
         self._finish_done(stats)
         self.num_steps += 1
         return stats
@@ -201,9 +202,10 @@ class Scheduler:
     # ------------------------------------------------------------------ parts of a step
     def _grow_running(self, stats: StepStats, budget: int) -> int:
         """Decode first (latency), then prefill chunks; preempt the newest on OOM."""
-        is_decode = [s.scheduled >= s.num_tokens - 1 for s in self.running]
-        decoders = [s for s, d in zip(self.running, is_decode, strict=True) if d]
-        prefilling = [s for s, d in zip(self.running, is_decode, strict=True) if not d]
+        decoders: list[Seq] = []
+        prefilling: list[Seq] = []
+        for s in self.running:
+            (decoders if s.scheduled >= s.num_tokens - 1 else prefilling).append(s)
         budget = self._grow_decoders(stats, decoders, budget)
         for seq in prefilling:
             if budget <= 0 or not seq.running:  # preempted earlier in this step
@@ -220,13 +222,17 @@ class Scheduler:
         decode = 1 + self.config.num_spec_tokens
         i = 0
         while i < len(decoders) and budget >= decode:
-            batch: list[Seq] = []
             first, room = i, budget // decode
-            while i < len(decoders) and len(batch) < room:
-                seq = decoders[i]
-                i += 1
-                if seq.running:  # else preempted earlier in this step
-                    batch.append(seq)
+            if not stats.preempted:  # nothing preempted yet in this step: all of them run
+                batch = decoders[i : i + room]
+                i += len(batch)
+            else:
+                batch = []
+                while i < len(decoders) and len(batch) < room:
+                    seq = decoders[i]
+                    i += 1
+                    if seq.running:  # else preempted earlier in this step
+                        batch.append(seq)
             plans = self.mgr.allocate_many(
                 [s.request_id for s in batch], decode, stop_when_full=True
             )
@@ -339,7 +345,7 @@ class Scheduler:
         seq.finished, seq.finish_reason = True, "too_large"
         stats.rejected.append(seq.request_id)
 
-    def _apply(self, step: StepPlan, outcomes: Sequence[tuple[Any, ...]]) -> None:
+    def _apply(self, step: StepPlan, outcomes: Sequence[tuple[Any, ...]], stats: StepStats) -> None:
         seqs = self.seqs
         for plan, outcome in zip(step.requests, outcomes, strict=True):
             seq = seqs[plan.request_id]
@@ -348,6 +354,17 @@ class Scheduler:
             if not new_tokens:
                 continue  # a prefill chunk
             seq.num_tokens += len(new_tokens)
+            output = seq.output
+            if not output:
+                stats.first_output.append(seq.request_id)
+            if (  # most steps: one token, no stop tokens, and room left after it
+                len(new_tokens) == 1
+                and not seq.stop_token_ids
+                and seq.finish_reason is None
+                and len(output) + 1 < seq.max_tokens
+            ):
+                output.append(new_tokens[0])
+                continue
             # Accepted drafts may run past max_tokens or a stop token: the core keeps them (their
             # KV is valid), the output ends where the request does.
             room = seq.max_tokens - len(seq.output)

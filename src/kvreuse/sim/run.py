@@ -142,9 +142,8 @@ class _Run:
         self.num_deferred += len(st.deferred)
         for rid in st.admitted:
             self.first_admitted.setdefault(rid, start)
-        for seq in sched.running:
-            if seq.output and seq.request_id not in self.first_token:
-                self.first_token[seq.request_id] = self.clock
+        for rid in st.first_output:  # (a request that finished in this step reads the same)
+            self.first_token.setdefault(rid, self.clock)
         for rid in (*st.finished, *st.rejected):
             seq = sched.pop_finished(rid)
             self.feeder.finished(seq, self.clock)
