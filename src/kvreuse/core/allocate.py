@@ -13,6 +13,8 @@ order adopt → pop fresh → pop saves, so a fresh pop never evicts a block thi
 from __future__ import annotations
 
 from collections import Counter
+from itertools import compress
+from operator import not_
 
 from kvreuse.core.config import Geometry
 from kvreuse.core.ledger import PlannedSave, PlanRecord
@@ -31,7 +33,9 @@ from kvreuse.core.savepoints import (
 # ---------------------------------------------------------------------------- counting
 def hit_blocks(res: LookupResult) -> list[int]:
     """Every block a hit reuses: shared pages, copy sources, recurrent sources."""
-    blocks = [b for row in res.slots.values() for b in row if b != NULL]
+    blocks: list[int] = []
+    for row in res.slots.values():
+        blocks += filter(None, row)  # NULL is 0: the pages a window no longer needs
     blocks += [b for b in res.state_src.values() if b is not None]
     return blocks
 
@@ -55,8 +59,8 @@ def admission_required(
                 required += total - h // B
         else:
             required += 1 + g.scratch
-    ref = pool.ref
-    required += sum(1 for b in set(hits) if ref[b] == 0)
+    # the hit blocks with no reference (in the free queue), each counted once
+    required += len(set(compress(hits, map(not_, map(pool.ref.__getitem__, hits)))))
     return required
 
 
