@@ -13,8 +13,7 @@ order adopt → pop fresh → pop saves, so a fresh pop never evicts a block thi
 from __future__ import annotations
 
 from collections import Counter
-from itertools import compress
-from operator import not_
+from operator import itemgetter
 
 from kvreuse.core.config import Geometry
 from kvreuse.core.ledger import PlannedSave, PlanRecord
@@ -59,9 +58,12 @@ def admission_required(
                 required += total - h // B
         else:
             required += 1 + g.scratch
-    # the hit blocks with no reference (in the free queue), each counted once
-    required += len(set(compress(hits, map(not_, map(pool.ref.__getitem__, hits)))))
-    return required
+    # the hit blocks with no reference (in the free queue), each counted once; itemgetter
+    # reads the counts in one C loop (a tuple when given two or more items)
+    distinct = set(hits)
+    if len(distinct) > 1:
+        return required + itemgetter(*distinct)(pool.ref).count(0)
+    return required + sum(1 for b in distinct if pool.ref[b] == 0)
 
 
 def growth_pages(geo: Geometry, req: RequestState, end: int, extra: int) -> list[tuple[int, int]]:
