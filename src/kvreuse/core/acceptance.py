@@ -18,10 +18,13 @@ the keys uncommitted plans would publish); the coordinator in `lookup` combines 
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Container
-from itertools import compress
+from collections.abc import Callable, Container, Sequence
+from itertools import compress, islice
+from typing import cast
 
 from kvreuse.core.config import GroupGeometry
+
+_FIRST = 256  # pages probed one by one up to the first miss (longer prompts: in chunks)
 
 
 def _full_run(
@@ -29,29 +32,32 @@ def _full_run(
 ) -> int:
     """The number of leading pages whose full key is in `keys`.
 
-    Probed in C (`map` over a strided slice) in chunks that grow ×4, so a long hit costs a few
-    C loops and a miss on the first page costs one small one. With `pages` (a list to fill, for
-    `keys` that map a key to its block), the blocks of the run are appended to it from the same
-    probes, so the lookup's slots need no second pass over the index.
+    The first `_FIRST` pages are probed in one C loop that stops at the first miss
+    (`iter(f, sentinel)` calls the `map` iterator's `__next__` until it yields the sentinel),
+    so a run of h short of them costs h + 1 probes. Beyond them, `list(map(...))` over chunks
+    that grow ×4 costs less per probe, which pays on very long hits. The run cannot be found
+    by bisection: the index is not prefix-closed (a page can be evicted while a later one
+    stays). With `pages` (a list to fill, for `keys` that map a key to its block), the blocks
+    of the run are appended to it from the same probes, so the lookup's slots need no second
+    pass over the index.
     """
-    get = getattr(keys, "get", None) if pages is not None else None
-    contains = keys.__contains__
-    run, chunk = 0, 64
-    while run < num_pages:
+    probe: Callable[[bytes], object] = keys.__contains__
+    miss: object = False
+    if pages is not None:
+        probe = keys.get  # type: ignore[attr-defined]
+        miss = None  # block ids are ≥ 1
+    stop = min(_FIRST, num_pages)
+    found = list(iter(map(probe, islice(hashes, step, stop * step + 1, step)).__next__, miss))
+    if pages is not None:
+        pages += cast(list[int], found)
+    run, chunk = len(found), 4 * _FIRST
+    while run == stop < num_pages:
         stop = min(run + chunk, num_pages)
-        strided = hashes[(run + 1) * step : stop * step + 1 : step]
-        if get is not None and pages is not None:
-            found = list(map(get, strided))  # block ids are ≥ 1: None is a missing key
-            if None in found:
-                miss = found.index(None)
-                pages.extend(found[:miss])
-                return run + miss
-            pages.extend(found)
-        else:
-            flags = list(map(contains, strided))
-            if not all(flags):
-                return run + flags.index(False)
-        run, chunk = stop, chunk * 4
+        found = list(map(probe, hashes[(run + 1) * step : stop * step + 1 : step]))
+        cut = found.index(miss) if miss in found else len(found)
+        if pages is not None:
+            pages += cast(list[int], found[:cut])
+        run, chunk = run + cut, chunk * 4
     return run
 
 
@@ -80,6 +86,11 @@ class Probe:
             return x + self.u <= self.nu and self.ok(x + self.u) and self.ok(x)
         return self.ok(x)
 
+    def decisive(self) -> Sequence[bytes]:
+        """The keys whose membership could change this probe's answers: a key set that adds
+        none of them (the pending keys of other plans, say) answers exactly as `keys` does."""
+        return self.hashes
+
     def largest(self, c: int, margin: bool) -> int:
         """m_g(c): the largest candidate ≤ c this group accepts (a descent of one unit a step;
         subclasses answer the common cases faster)."""
@@ -98,20 +109,29 @@ class FullProbe(Probe):
     def __init__(
         self, g: GroupGeometry, keys: Container[bytes], hashes: list[bytes], u: int, nu: int
     ) -> None:
-        super().__init__(g, keys, hashes, u, nu)
+        self.g, self.u, self.nu, self.keys, self.hashes = g, u, nu, keys, hashes
         B = g.page_size
         step = B // u
         # the blocks of the leading full pages, when `keys` maps keys to blocks (an index)
         self.pages: list[int] | None = [] if hasattr(keys, "get") else None
-        q_end = _full_run(keys, hashes, step, nu // B, self.pages) * step  # last full page
-        self.F = q_end * u
-        for b in range(min(q_end * u + B, nu), q_end * u, -u):  # page q, highest first
+        base = _full_run(keys, hashes, step, nu // B, self.pages) * B  # page q starts here
+        self.F = base
+        # Page q, highest boundary first. Its full key at base + B was the run's miss when
+        # the page is complete, so the search starts a unit below it.
+        start = base + B - u if base + B <= nu else nu
+        for b in range(start, base, -u):
             if hashes[b // u] in keys:
                 self.F = b
                 break
 
     def ok(self, x: int) -> bool:
         return x <= self.F
+
+    def decisive(self) -> Sequence[bytes]:
+        """Page q's boundaries: a superset of `keys` has the same leading run unless it adds
+        the full key q missed on, and the same F unless it adds an entry in page q."""
+        base, u = self.F // self.g.page_size * self.g.page_size, self.u
+        return self.hashes[base // u + 1 : min(base + self.g.page_size, self.nu) // u + 1]
 
     def largest(self, c: int, margin: bool) -> int:
         return min(c, max(0, self.F - self.u)) if margin else min(c, self.F)

@@ -13,6 +13,7 @@ order adopt → pop fresh → pop saves, so a fresh pop never evicts a block thi
 from __future__ import annotations
 
 from collections import Counter
+from operator import itemgetter
 
 from kvreuse.core.config import Geometry
 from kvreuse.core.ledger import PlannedSave, PlanRecord
@@ -33,7 +34,9 @@ NO_PAGE_LIMIT = 1 << 62  # `PlanParts.room` of a model without an attention grou
 # ---------------------------------------------------------------------------- counting
 def hit_blocks(res: LookupResult) -> list[int]:
     """Every block a hit reuses: shared pages, copy sources, recurrent sources."""
-    blocks = [b for row in res.slots.values() for b in row if b != NULL]
+    blocks: list[int] = []
+    for row in res.slots.values():
+        blocks += filter(None, row)  # NULL is 0: the pages a window no longer needs
     blocks += [b for b in res.state_src.values() if b is not None]
     return blocks
 
@@ -57,9 +60,12 @@ def admission_required(
                 required += total - h // B
         else:
             required += 1 + g.scratch
-    ref = pool.ref
-    required += sum(1 for b in set(hits) if ref[b] == 0)
-    return required
+    # the hit blocks with no reference (in the free queue), each counted once; itemgetter
+    # reads the counts in one C loop (a tuple when given two or more items)
+    distinct = set(hits)
+    if len(distinct) > 1:
+        return required + itemgetter(*distinct)(pool.ref).count(0)
+    return required + sum(1 for b in distinct if pool.ref[b] == 0)
 
 
 def growth_pages(geo: Geometry, req: RequestState, end: int, extra: int) -> list[tuple[int, int]]:

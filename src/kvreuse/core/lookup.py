@@ -121,16 +121,27 @@ def _fixed_point(probes: list[tuple[Probe, bool]], start: int) -> int:
 
 
 def _bounds(geo: Geometry, probes: dict[int, Probe], top: int) -> tuple[int, int, int, int]:
-    if geo.only_full:  # full attention is downward-closed: the fixed point is min(top, F_g)
+    """A1…A4 (12.3). Full attention is downward-closed (m_g(c) = min(c, a bound of its own)),
+    so the fixed point over full groups alone is a minimum, and once x is at or below every
+    full group's bound those groups accept every lower x: the later fixed points iterate only
+    the other kinds, and a bound whose probe set adds nothing equals the one before it."""
+    if geo.only_full:
         a = min(top, *(p.F for p in probes.values()))
         return a, a, a, a
     drop = geo.spec_mode == "drop"
-    full = [p for p in probes.values() if p.g.kind == "full"]
-    nonrec = [p for p in probes.values() if p.g.kind != "recurrent"]
-    a1 = _fixed_point([(p, False) for p in full], top)
-    a2 = _fixed_point([(p, drop and p.g.is_draft) for p in full], a1)
-    a3 = _fixed_point([(p, drop and p.g.is_draft) for p in nonrec], a2)
-    a4 = _fixed_point([(p, drop and p.g.is_draft) for p in probes.values()], a3)
+    a1 = a2 = top
+    window: list[tuple[Probe, bool]] = []
+    state: list[tuple[Probe, bool]] = []
+    for p in probes.values():
+        kind, margin = p.g.kind, drop and p.g.is_draft
+        if kind == "full":
+            a1 = min(a1, p.F)
+            a2 = min(a2, p.largest(top, margin))
+        else:
+            (state if kind == "recurrent" else window).append((p, margin))
+    a2 = min(a1, a2)
+    a3 = _fixed_point(window, a2) if window else a2
+    a4 = _fixed_point(window + state, a3) if state else a3
     return a1, a2, a3, a4
 
 
@@ -153,8 +164,13 @@ def _reason(
         return Reason.WINDOW_LIMITED
     if a2 < a1:
         return Reason.SPEC_DECODE_REWIND
-    full = [p for p in probes.values() if p.g.kind == "full"]
-    star = min(full, key=lambda p: (min(top, p.F), p.g.group_id))
+    star: Probe | None = None  # the full group with the lowest min(top, F), lowest gid first
+    for p in probes.values():
+        if p.g.kind == "full" and (
+            star is None or (min(top, p.F), p.g.group_id) < (min(top, star.F), star.g.group_id)
+        ):
+            star = p
+    assert star is not None  # a full group limits the hit here: A1 < top
     u, nu, B = geo.hash_unit, star.nu, star.g.page_size
     x1 = a1 + u
     p1 = (x1 - 1) // B
@@ -225,14 +241,13 @@ def compute_lookup(
     reason = _reason(geo, index, hashes, probes, top, bounds)
     pending_bounds = bounds
     if pending is not None and not all(
-        pending[g.group_id].isdisjoint(hashes) for g in geo.cacheable
-    ):  # only this request's own keys are ever probed: with none pending, pending_hit = hit
+        pending[gid].isdisjoint(p.decisive()) for gid, p in probes.items()
+    ):  # pending keys the probes would not read leave every bound as it is: pending_hit = hit
         merged = [_Union(idx, pend) for idx, pend in zip(keysets, pending, strict=True)]
         pending_bounds = _bounds(geo, _probes(geo, merged, hashes, nu), top)
     slots, copy_src, state_src = _slots(geo, keysets, hashes, hit, nu, probes)
-    limits = {
-        gid: p.largest(top, geo.spec_mode == "drop" and p.g.is_draft) for gid, p in probes.items()
-    }
+    drop = geo.spec_mode == "drop"
+    limits = {gid: p.largest(top, drop and p.g.is_draft) for gid, p in probes.items()}
     return LookupResult(
         request_id=request_id,
         hit=hit,
