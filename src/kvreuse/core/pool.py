@@ -277,31 +277,29 @@ class BlockPool:
                 self._batch += 1
                 self.policy.release(*split)
             return
-        ref = self.ref
-        zero: list[int] = []
+        # One pass: each block that reaches 0 joins its run as it does (the split needs only
+        # its keys, which a release does not change).
+        ref, key1, group = self.ref, self._key1, self.group
+        unkeyed: list[int] = []
+        keyed: list[int] = []
         for b in ordered:
             c = ref[b] - 1
             ref[b] = c
             if c == 0:
-                zero.append(b)
-        if not zero:
-            return
-        self._queue(zero)
+                if key1[b] is None:
+                    group[b] = -1
+                    unkeyed.append(b)
+                else:
+                    keyed.append(b)
+        if unkeyed or keyed:
+            self._queue(unkeyed, keyed)
 
-    def _queue(self, zero: list[int]) -> None:
+    def _queue(self, unkeyed: list[int], keyed: list[int]) -> None:
+        """Queue one release batch: the unkeyed run as released, the keyed one sorted."""
         self._batch += 1
         if self._release_seq is not None:
-            for b in zero:
+            for b in (*unkeyed, *keyed):
                 self._release_seq[b] = self._batch
-        key1 = self._key1
-        unkeyed: list[int] = []
-        keyed: list[int] = []
-        for b in zero:
-            if key1[b] is None:
-                self.group[b] = -1
-                unkeyed.append(b)
-            else:
-                keyed.append(b)
         if len(keyed) > 1:
             # Decreasing highest boundary, then ascending group, then ascending id: three
             # stable C-level sorts, least significant first (reverse=True keeps ties stable).
