@@ -296,12 +296,6 @@ class KVCacheManager:
         while cap is not None and len(self._finished) > cap:
             self._finished.popitem(last=False)
 
-    def _finished_stats(self, st: RequestState) -> RequestStats:
-        """A forgotten request's statistics: the ones `_forget` kept (they are frozen), built
-        again only when finished_stats_capacity kept none."""
-        stats = self._finished.get(st.request_id)
-        return stats if stats is not None else self._stats(st)
-
     def finish(self, req_id: str) -> RequestStats:
         """Normal end or abort (spec §11.5); returns the request's final statistics."""
         st = self._get(req_id, "finish")
@@ -315,7 +309,8 @@ class KVCacheManager:
         else:
             self._forget(st)
         self.epoch += 1
-        return self._finished_stats(st)  # also when finished_stats_capacity keeps none
+        stats = self._finished.get(req_id)  # what `_forget` kept (frozen), unless capacity is 0
+        return stats if stats is not None else self._stats(st)
 
     def preempt(self, req_id: str) -> None:
         """Release a running request's blocks; it waits for a new lookup (spec §11.5)."""
