@@ -294,8 +294,9 @@ def pending_refs(rec: PlanRecord) -> tuple[dict[int, list[int]], dict[int, list[
     for c in rec.copies:
         copies.setdefault(c.group_id, []).extend((c.dst, c.src))
     saves: dict[int, list[int]] = {}
-    for s in sorted(rec.saves):
-        saves.setdefault(s.gid, []).append(s.block_id)
+    if rec.saves:  # most plans (every attention-only one) reserve no save
+        for s in sorted(rec.saves):
+            saves.setdefault(s.gid, []).append(s.block_id)
     return copies, saves
 
 
@@ -308,28 +309,35 @@ def release_request(
 ) -> None:
     """Spec §11.5 steps 2–3: publish φ(T), release every slot of the request and every pending
     reference of its dropped plans in one batch. The caller settles the phase and the ledger."""
-    order: list[int] = []
     copies: dict[int, list[int]] = {}
     saves: dict[int, list[int]] = {}
-    for rec in dropped:
+    for rec in dropped:  # most finishes drop no plan
         c, s = pending_refs(rec)
         for gid, blocks in c.items():
             copies.setdefault(gid, []).extend(blocks)
         for gid, blocks in s.items():
             saves.setdefault(gid, []).extend(blocks)
         counters["saves_discarded"] += len(rec.saves)
-    if req.phase is Phase.RUNNING and geo.caching_enabled:
-        _publish_finish_state(geo, pool, counters, req)
+    if req.recurrent and req.phase is Phase.RUNNING and geo.caching_enabled:
+        _publish_finish_state(geo, pool, counters, req)  # only held states publish
+    order: list[int] = []
+    tables, recurrent = req.tables, req.recurrent
     for g in geo.groups:
         gid = g.group_id
         if g.is_attention:
-            row = req.tables.get(gid, [])
-            order.extend(copies.get(gid, ()))  # withdrawn copies: dst is also in the table
-            order.extend([b for b in reversed(row) if b])
-        elif gid in req.recurrent:
-            slots = req.recurrent[gid]
+            row = tables.get(gid)
+            if row is None:
+                continue
+            if copies:
+                order.extend(copies.get(gid, ()))  # withdrawn copies: dst is also in the table
+            # Descending table position; a NULL slot (a page left its window) holds nothing.
+            order.extend([b for b in reversed(row) if b] if NULL in row else reversed(row))
+        elif gid in recurrent:
+            slots = recurrent[gid]
             order.extend(saves.get(gid, ()))
-            order.extend(slots.held[c] for c in sorted(slots.held, reverse=True))
+            held = slots.held
+            if held:
+                order.extend(held[c] for c in sorted(held, reverse=True))
             order.extend(reversed(slots.scratch))
             order.extend(copies.get(gid, ()))
             order.append(slots.live)

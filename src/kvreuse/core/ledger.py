@@ -174,6 +174,8 @@ class StepLedger:
 
     def withdraw_open(self, req: RequestState) -> list[PlanRecord]:
         """Take the request's plan out of the open step (the engine will never see it)."""
+        if req.open_plan is None:  # `add` set it and only a seal or a withdrawal clears it
+            return []
         recs = [r for r in self._open if r.req is req]
         if recs:
             self._open = [r for r in self._open if r.req is not req]

@@ -313,7 +313,8 @@ class KVCacheManager:
         else:
             self._forget(st)
         self.epoch += 1
-        return self._stats(st)  # also when finished_stats_capacity keeps none
+        stats = self._finished.get(req_id)  # what `_forget` kept (frozen), unless capacity is 0
+        return stats if stats is not None else self._stats(st)
 
     def preempt(self, req_id: str) -> None:
         """Release a running request's blocks; it waits for a new lookup (spec §11.5)."""

@@ -36,6 +36,8 @@ KERNELS = (
     "ref_release",
     "evict_keys",
     "key_pages",
+    "publish_keys",
+    "release_refs",
 )
 _log = logging.getLogger(__name__)
 

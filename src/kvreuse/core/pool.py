@@ -16,9 +16,10 @@ Each rule has one home here: a key enters the index only through `publish`, leav
 through `_evict_keys` (or all at once through `clear_keys`), and each of them records its own
 events, so the event log mirrors the index by construction.
 
-With the built-in LRU on the native path (`kvreuse.core.native`), the per-block loops of
-publication, adoption, release and eviction run as C kernels over these same arrays, called
-from these methods only; the Python loops are the reference they are tested against.
+On the native path (`kvreuse.core.native`) the per-entry loop of publication runs as a C
+kernel over these same arrays, and with the built-in LRU so do those of adoption, release and
+eviction; they are called from these methods only, and the Python loops are the reference they
+are tested against.
 """
 
 from __future__ import annotations
@@ -80,10 +81,11 @@ class BlockPool:
         # built-in LRU, since a custom policy may read the counts while they change.
         # The functions are kept, not the module: a manager stays deep-copyable and picklable.
         k = native.ext if isinstance(factory, str) else None
-        self._k_keys = k.key_pages if k is not None else None
         self._k_adopt = k.ref_adopt if k is not None else None
-        self._k_release = k.ref_release if k is not None else None
+        self._k_release = k.release_refs if k is not None else None
         self._k_evict = k.evict_keys if k is not None else None
+        # Publication changes no count: its kernel serves custom policies as well.
+        self._k_publish = native.ext.publish_keys if native.ext is not None else None
         self.policy.release(list(range(1, n)), [])
 
     # ------------------------------------------------------------------ PoolView
@@ -137,13 +139,23 @@ class BlockPool:
         published, ascending, and records their BlockStored events: `source` is the request
         whose tokens and chain the events are built from when they are taken.
         """
-        if self._full_page[group_id] == self._unit and NULL not in blocks:
+        if self._k_publish is not None:
+            done, fresh, stop = self._k_publish(
+                self.index[group_id], self._key1, self._b1, self.group, self._more,
+                blocks, keys, boundaries, group_id,
+            )  # fmt: skip
+            if fresh:
+                self._published(group_id, done, fresh)
+            if stop < len(blocks):  # a key below its block's highest: the Python loop sorts it
+                done += self._publish_each(group_id, boundaries[stop:], keys[stop:], blocks[stop:])
+        elif (
+            self._full_page[group_id] == self._unit
+            and NULL not in blocks
+            and self.index[group_id].keys().isdisjoint(keys)
+        ):
             # page = unit: one boundary per page; with no key present, the common case of a
             # prefill of fresh pages, the index takes every key in one C-level update.
-            if self.index[group_id].keys().isdisjoint(keys):
-                done = self._publish_pages(group_id, boundaries, keys, blocks)
-            else:
-                done = self._publish_each(group_id, boundaries, keys, blocks)
+            done = self._publish_pages(group_id, boundaries, keys, blocks)
         else:
             done = self._publish_each(group_id, boundaries, keys, blocks)
         if done and self.events.enabled:
@@ -172,9 +184,18 @@ class BlockPool:
             done.append(b)
             fresh.append(key)
         if fresh:
-            self.ghost.discard_many(group_id, fresh)
-            count_entry_kinds(self.num_published, self._full_page[group_id], done)
+            self._published(group_id, done, fresh)
         return done
+
+    def _published(self, group_id: int, done: list[int], fresh: list[bytes]) -> None:
+        """Settle what a publication keyed: its keys leave the ghost record, its entries are
+        counted by kind."""
+        self.ghost.discard_many(group_id, fresh)
+        page = self._full_page[group_id]
+        if page == self._unit:  # one boundary per page: every entry ends its page
+            self.num_published[_FULL] += len(done)
+        else:
+            count_entry_kinds(self.num_published, page, done)
 
     def _publish_pages(
         self, group_id: int, boundaries: Sequence[int], keys: Sequence[bytes], blocks: Sequence[int]
@@ -187,13 +208,10 @@ class BlockPool:
         """
         self.index[group_id].update(zip(keys, blocks, strict=True))
         key1, b1, group = self._key1, self._b1, self.group
-        if self._k_keys is not None:
-            self._k_keys(key1, b1, group, blocks, keys, boundaries, group_id)
-        else:
-            for blk, key, b in zip(blocks, keys, boundaries, strict=True):
-                key1[blk] = key
-                b1[blk] = b
-                group[blk] = group_id
+        for blk, key, b in zip(blocks, keys, boundaries, strict=True):
+            key1[blk] = key
+            b1[blk] = b
+            group[blk] = group_id
         self.ghost.discard_many(group_id, keys)
         self.num_published[_FULL] += len(keys)
         return list(boundaries)
@@ -259,31 +277,29 @@ class BlockPool:
                 self._batch += 1
                 self.policy.release(*split)
             return
-        ref = self.ref
-        zero: list[int] = []
+        # One pass: each block that reaches 0 joins its run as it does (the split needs only
+        # its keys, which a release does not change).
+        ref, key1, group = self.ref, self._key1, self.group
+        unkeyed: list[int] = []
+        keyed: list[int] = []
         for b in ordered:
             c = ref[b] - 1
             ref[b] = c
             if c == 0:
-                zero.append(b)
-        if not zero:
-            return
-        self._queue(zero)
+                if key1[b] is None:
+                    group[b] = -1
+                    unkeyed.append(b)
+                else:
+                    keyed.append(b)
+        if unkeyed or keyed:
+            self._queue(unkeyed, keyed)
 
-    def _queue(self, zero: list[int]) -> None:
+    def _queue(self, unkeyed: list[int], keyed: list[int]) -> None:
+        """Queue one release batch: the unkeyed run as released, the keyed one sorted."""
         self._batch += 1
         if self._release_seq is not None:
-            for b in zero:
+            for b in (*unkeyed, *keyed):
                 self._release_seq[b] = self._batch
-        key1 = self._key1
-        unkeyed: list[int] = []
-        keyed: list[int] = []
-        for b in zero:
-            if key1[b] is None:
-                self.group[b] = -1
-                unkeyed.append(b)
-            else:
-                keyed.append(b)
         if len(keyed) > 1:
             # Decreasing highest boundary, then ascending group, then ascending id: three
             # stable C-level sorts, least significant first (reverse=True keeps ties stable).

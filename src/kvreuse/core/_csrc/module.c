@@ -16,6 +16,10 @@
 #define KVR_SOURCE_SHA256 "unknown"
 #endif
 
+/* publish.c: BlockPool.publish's per-entry loop and BlockPool.release's counting and queueing */
+PyObject *kvr_publish_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *kvr_release_refs(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
 static PyMethodDef methods[] = {
     {"sha256", kvr_sha256_digest, METH_VARARGS, "sha256(data, portable=False) -> bytes"},
     {"sha256_units", (PyCFunction)(void (*)(void))kvr_sha256_units, METH_FASTCALL,
@@ -34,6 +38,11 @@ static PyMethodDef methods[] = {
      " -> (gone, num_blocks)"},
     {"key_pages", (PyCFunction)(void (*)(void))kvr_key_pages, METH_FASTCALL,
      "key_pages(key1, b1, group, blocks, keys, boundaries, group_id)"},
+    {"publish_keys", (PyCFunction)(void (*)(void))kvr_publish_keys, METH_FASTCALL,
+     "publish_keys(index, key1, b1, group, more, blocks, keys, boundaries, group_id)"
+     " -> (done, fresh, stop)"},
+    {"release_refs", (PyCFunction)(void (*)(void))kvr_release_refs, METH_FASTCALL,
+     "release_refs(ref, ordered, key1, group, b1, multi_group) -> None | (unkeyed, keyed)"},
     {NULL, NULL, 0, NULL},
 };
 
