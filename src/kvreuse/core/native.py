@@ -11,7 +11,9 @@ Decided once, at import:
   made (no compiler at install time) is silent: the native path is optional.
 
 The pure-Python code is the reference; a kernel implements one owner's method on that owner's
-own state. Owners read `ext` when they are constructed, so a test can build both paths side by
+own state, except `Ghost`, a C type with the whole interface of the ghost record (ghost.py's
+`GhostRecord`: a ring and a hash table instead of a dict per group). Owners read `ext` when they
+are constructed, so a test can build both paths side by
 side by setting ``native.ext = None`` first. This is the one core module that does I/O: it
 reads the environment and the C sources once, and may log one line.
 
@@ -36,6 +38,7 @@ KERNELS = (
     "ref_release",
     "evict_keys",
     "key_pages",
+    "Ghost",
 )
 _log = logging.getLogger(__name__)
 

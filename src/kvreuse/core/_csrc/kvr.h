@@ -31,6 +31,11 @@ PyObject *kvr_ref_release(PyObject *self, PyObject *const *args, Py_ssize_t narg
 PyObject *kvr_evict_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *kvr_key_pages(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
+/* ghost.c: the ghost record as a C type (ghost.GhostRecord's interface) */
+extern PyTypeObject kvr_GhostType;
+int kvr_ghost_add(PyObject *ghost, int gid, PyObject *key, PyObject *boundary);
+void kvr_ghost_trim(PyObject *ghost);
+
 /* ------------------------------------------------------------------ the owners' flat arrays */
 
 /* The owners' flat arrays (array('i'), array('b'), bytearray), borrowed writable for one call. */
