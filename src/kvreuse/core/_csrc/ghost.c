@@ -4,10 +4,9 @@
  *
  * Keys live in one FIFO ring in insertion order over all groups (so the oldest key overall is
  * simply the ring's head) and in an open-addressing table (linear probing, no tombstones) that
- * maps (group, key) to the key's ring position. Positions are absolute (they only grow; the slot
- * is pos & ring_mask), so growing the ring keeps them. A discarded key leaves the table at once
- * and leaves a dead slot (key NULL) in the ring, skipped when the trim reaches it; when the ring
- * fills and dead slots are at least half of it, it is compacted and the table rebuilt.
+ * maps (group, key) to the key's ring slot. A discarded key leaves the table at once and leaves
+ * a dead slot (key NULL) in the ring, skipped when the trim reaches it. When the ring fills it is
+ * compacted (dead slots at least half of it) or doubled, and the table rebuilt.
  * Keys must be bytes: their hash is cached in the object, so probing costs no hashing.
  */
 #include "kvr.h"
@@ -17,7 +16,17 @@ typedef struct {
     Py_hash_t hash;
     long long boundary;
     int gid;
+    uint32_t tag; /* mix(hash, gid): the key's home in the table and its quick filter */
 } ghost_slot;
+
+/* A table entry: the slot's tag (high 32 bits) and its index in the ring, so probing and the
+ * deletion's shifting read no ring slot but the one that matches. */
+typedef uint64_t ghost_entry;
+#define EMPTY UINT64_MAX
+#define TAG(e) ((uint32_t)((e) >> 32))
+#define IDX(e) ((size_t)((e)&0xFFFFFFFFu))
+#define ENTRY(tag, idx) ((uint64_t)(tag) << 32 | (uint64_t)(idx))
+#define MAX_RING ((size_t)1 << 31)
 
 typedef struct {
     PyObject_HEAD
@@ -25,18 +34,19 @@ typedef struct {
     ghost_slot *ring;
     size_t ring_mask;
     long long head, tail; /* absolute positions: the slots head..tail-1 are in use */
-    long long *table;     /* a ring position, or -1 */
+    ghost_entry *table;
     size_t table_mask;
 } Ghost;
 
-#define EMPTY (-1LL)
 #define SLOT(g, pos) ((g)->ring[(size_t)(pos) & (g)->ring_mask])
 
-static size_t
-home(const Ghost *g, Py_hash_t hash, int gid)
+static uint32_t
+mix(Py_hash_t hash, int gid)
 {
-    size_t h = (size_t)hash ^ ((size_t)gid * 0x9E3779B97F4A7C15ULL);
-    return (h ^ (h >> 29)) & g->table_mask;
+    uint64_t h = (uint64_t)hash ^ ((uint64_t)gid * 0x9E3779B97F4A7C15ULL);
+    h ^= h >> 31;
+    h *= 0xBF58476D1CE4E5B9ULL;
+    return (uint32_t)(h ^ (h >> 32));
 }
 
 static int
@@ -53,11 +63,12 @@ same_key(const ghost_slot *s, int gid, PyObject *key, Py_hash_t hash)
 
 /* The table index holding (gid, key), or the empty index where it would go (*found = 0). */
 static size_t
-probe(const Ghost *g, int gid, PyObject *key, Py_hash_t hash, int *found)
+probe(const Ghost *g, int gid, PyObject *key, Py_hash_t hash, uint32_t tag, int *found)
 {
-    size_t i = home(g, hash, gid);
-    while (g->table[i] != EMPTY) {
-        if (same_key(&SLOT(g, g->table[i]), gid, key, hash)) {
+    size_t i = tag & g->table_mask;
+    ghost_entry e;
+    while ((e = g->table[i]) != EMPTY) {
+        if (TAG(e) == tag && same_key(&g->ring[IDX(e)], gid, key, hash)) {
             *found = 1;
             return i;
         }
@@ -73,13 +84,11 @@ table_delete(Ghost *g, size_t i)
 {
     size_t j = i, mask = g->table_mask;
     for (;;) {
-        const ghost_slot *s;
         size_t k;
         j = (j + 1) & mask;
         if (g->table[j] == EMPTY)
             break;
-        s = &SLOT(g, g->table[j]);
-        k = home(g, s->hash, s->gid);
+        k = TAG(g->table[j]) & mask;
         /* the entry at j may move to i when its home is not cyclically in (i, j] */
         if (i <= j ? (i < k && k <= j) : (i < k || k <= j))
             continue;
@@ -89,13 +98,13 @@ table_delete(Ghost *g, size_t i)
     g->table[i] = EMPTY;
 }
 
-/* (Re)build the table for the live slots, with at least 2 * size + 2 entries. */
+/* (Re)build the table for the live slots, with at least 2 * want + 2 entries. */
 static int
 table_rebuild(Ghost *g, Py_ssize_t want)
 {
     size_t n = 16, i;
     long long pos;
-    long long *t;
+    ghost_entry *t;
     while (n < (size_t)want * 2 + 2)
         n <<= 1;
     if ((t = PyMem_Malloc(n * sizeof *t)) == NULL) {
@@ -110,50 +119,45 @@ table_rebuild(Ghost *g, Py_ssize_t want)
     for (pos = g->head; pos < g->tail; pos++) {
         const ghost_slot *s = &SLOT(g, pos);
         if (s->key != NULL) {
-            i = home(g, s->hash, s->gid);
+            i = s->tag & g->table_mask;
             while (t[i] != EMPTY)
                 i = (i + 1) & g->table_mask;
-            t[i] = pos;
+            t[i] = ENTRY(s->tag, (size_t)pos & g->ring_mask);
         }
     }
     return 0;
 }
 
 /* Room for one more slot at the tail: compact the ring when dead slots are half of it, else
- * double it (positions stay valid when it grows). */
+ * double it; either way the slots move, so the table is rebuilt (amortized O(1) per add). */
 static int
 ring_reserve(Ghost *g)
 {
     size_t cap = g->ring_mask + 1, used = (size_t)(g->tail - g->head);
     ghost_slot *r;
-    long long pos;
+    long long pos, to = 0;
     if (g->ring != NULL && used < cap)
         return 0;
-    if (g->ring != NULL && used - (size_t)g->size >= cap / 2) {
-        long long to = 0;
-        if ((r = PyMem_Malloc(cap * sizeof *r)) == NULL)
-            goto nomem;
-        for (pos = g->head; pos < g->tail; pos++)
-            if (SLOT(g, pos).key != NULL)
-                r[to++] = SLOT(g, pos);
-        PyMem_Free(g->ring);
-        g->ring = r;
-        g->head = 0;
-        g->tail = to;
-        return table_rebuild(g, g->size);
+    if (g->ring == NULL || used - (size_t)g->size < cap / 2) {
+        if (g->ring != NULL && cap >= MAX_RING) {
+            PyErr_SetString(PyExc_MemoryError, "ghost: more than 2**31 slots");
+            return -1;
+        }
+        cap = g->ring == NULL ? 16 : cap * 2;
     }
-    cap = g->ring == NULL ? 16 : cap * 2;
-    if ((r = PyMem_Malloc(cap * sizeof *r)) == NULL)
-        goto nomem;
+    if ((r = PyMem_Malloc(cap * sizeof *r)) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
     for (pos = g->head; pos < g->tail; pos++)
-        r[(size_t)pos & (cap - 1)] = SLOT(g, pos);
+        if (SLOT(g, pos).key != NULL)
+            r[to++] = SLOT(g, pos);
     PyMem_Free(g->ring);
     g->ring = r;
     g->ring_mask = cap - 1;
-    return 0;
-nomem:
-    PyErr_NoMemory();
-    return -1;
+    g->head = 0;
+    g->tail = to;
+    return table_rebuild(g, g->size);
 }
 
 /* A group id as a list index (negative counts from the end, as GhostRecord's list does). */
@@ -187,15 +191,15 @@ static void
 trim(Ghost *g)
 {
     while (g->size > g->capacity) {
-        ghost_slot *s = &SLOT(g, g->head);
+        size_t idx = (size_t)g->head & g->ring_mask, i;
+        ghost_slot *s = &g->ring[idx];
         g->head++;
         if (s->key == NULL)
             continue;
-        {
-            int found;
-            size_t i = probe(g, s->gid, s->key, s->hash, &found);
-            table_delete(g, i);
-        }
+        i = s->tag & g->table_mask; /* the live slot's own entry: no key comparison */
+        while (g->table[i] != ENTRY(s->tag, idx))
+            i = (i + 1) & g->table_mask;
+        table_delete(g, i);
         Py_CLEAR(s->key);
         g->size--;
     }
@@ -208,6 +212,7 @@ static int
 add_one(Ghost *g, int gid, PyObject *key, long long boundary)
 {
     Py_hash_t hash;
+    uint32_t tag;
     int found;
     size_t i;
     ghost_slot *s;
@@ -222,9 +227,10 @@ add_one(Ghost *g, int gid, PyObject *key, long long boundary)
         return -1;
     if ((size_t)(g->size + 1) * 2 > g->table_mask && table_rebuild(g, g->size + 1) < 0)
         return -1;
-    i = probe(g, gid, key, hash, &found);
+    tag = mix(hash, gid);
+    i = probe(g, gid, key, hash, tag, &found);
     if (found) {
-        Py_CLEAR(SLOT(g, g->table[i]).key);
+        Py_CLEAR(g->ring[IDX(g->table[i])].key);
         g->size--;
     }
     s = &SLOT(g, g->tail);
@@ -232,7 +238,9 @@ add_one(Ghost *g, int gid, PyObject *key, long long boundary)
     s->hash = hash;
     s->boundary = boundary;
     s->gid = gid;
-    g->table[i] = g->tail++;
+    s->tag = tag;
+    g->table[i] = ENTRY(tag, (size_t)g->tail & g->ring_mask);
+    g->tail++;
     g->size++;
     return 0;
 }
@@ -248,9 +256,9 @@ discard_one(Ghost *g, int gid, PyObject *key)
         return -1;
     if (!is_bytes || g->size == 0)
         return 0;
-    i = probe(g, gid, key, hash, &found);
+    i = probe(g, gid, key, hash, mix(hash, gid), &found);
     if (found) {
-        Py_CLEAR(SLOT(g, g->table[i]).key);
+        Py_CLEAR(g->ring[IDX(g->table[i])].key);
         table_delete(g, i);
         g->size--;
         if (g->size == 0)
@@ -267,7 +275,7 @@ has(Ghost *g, int gid, PyObject *key)
     if (key_hash(key, &hash, &is_bytes) < 0)
         return -1;
     if (is_bytes && g->size)
-        probe(g, gid, key, hash, &found);
+        probe(g, gid, key, hash, mix(hash, gid), &found);
     return found;
 }
 
