@@ -1,6 +1,7 @@
 /*
- * The ghost record (ghost.py's GhostRecord) as a C type: the same interface and observable
- * behaviour, without a Python object per remembered key.
+ * The ghost record (ghost.py's GhostRecord) in C, without a Python object per remembered key:
+ * its state and operations here, its Python type (the same interface and observable behaviour)
+ * in ghost_type.c, and kvr_ghost_add / kvr_ghost_trim for the eviction kernel (pool.c).
  *
  * Keys live in one FIFO ring in insertion order over all groups (so the oldest key overall is
  * simply the ring's head) and in an open-addressing table (linear probing, no tombstones) that
@@ -9,36 +10,13 @@
  * compacted (dead slots at least half of it) or doubled, and the table rebuilt.
  * Keys must be bytes: their hash is cached in the object, so probing costs no hashing.
  */
-#include "kvr.h"
+#include "ghost.h"
 
-typedef struct {
-    PyObject *key; /* owned; NULL: a dead slot */
-    Py_hash_t hash;
-    long long boundary;
-    int gid;
-    uint32_t tag; /* mix(hash, gid): the key's home in the table and its quick filter */
-} ghost_slot;
-
-/* A table entry: the slot's tag (high 32 bits) and its index in the ring, so probing and the
- * deletion's shifting read no ring slot but the one that matches. */
-typedef uint64_t ghost_entry;
 #define EMPTY UINT64_MAX
 #define TAG(e) ((uint32_t)((e) >> 32))
 #define IDX(e) ((size_t)((e)&0xFFFFFFFFu))
 #define ENTRY(tag, idx) ((uint64_t)(tag) << 32 | (uint64_t)(idx))
 #define MAX_RING ((size_t)1 << 31)
-
-typedef struct {
-    PyObject_HEAD
-    Py_ssize_t num_groups, capacity, size;
-    ghost_slot *ring;
-    size_t ring_mask;
-    long long head, tail; /* absolute positions: the slots head..tail-1 are in use */
-    ghost_entry *table;
-    size_t table_mask;
-} Ghost;
-
-#define SLOT(g, pos) ((g)->ring[(size_t)(pos) & (g)->ring_mask])
 
 static uint32_t
 mix(Py_hash_t hash, int gid)
@@ -99,8 +77,8 @@ table_delete(Ghost *g, size_t i)
 }
 
 /* (Re)build the table for the live slots, with at least 2 * want + 2 entries. */
-static int
-table_rebuild(Ghost *g, Py_ssize_t want)
+int
+ghost_table_rebuild(Ghost *g, Py_ssize_t want)
 {
     size_t n = 16, i;
     long long pos;
@@ -157,12 +135,12 @@ ring_reserve(Ghost *g)
     g->ring_mask = cap - 1;
     g->head = 0;
     g->tail = to;
-    return table_rebuild(g, g->size);
+    return ghost_table_rebuild(g, g->size);
 }
 
 /* A group id as a list index (negative counts from the end, as GhostRecord's list does). */
-static int
-group_of(Ghost *g, PyObject *o, int *out)
+int
+ghost_group_of(Ghost *g, PyObject *o, int *out)
 {
     Py_ssize_t v = PyNumber_AsSsize_t(o, PyExc_IndexError);
     if (v == -1 && PyErr_Occurred())
@@ -187,8 +165,8 @@ key_hash(PyObject *key, Py_hash_t *hash, int *is_bytes)
     return *hash == -1 && PyErr_Occurred() ? -1 : 0;
 }
 
-static void
-trim(Ghost *g)
+void
+ghost_trim(Ghost *g)
 {
     while (g->size > g->capacity) {
         size_t idx = (size_t)g->head & g->ring_mask, i;
@@ -208,8 +186,8 @@ trim(Ghost *g)
 }
 
 /* Remember one key as the newest; a key already there moves to the newest place. */
-static int
-add_one(Ghost *g, int gid, PyObject *key, long long boundary)
+int
+ghost_add_one(Ghost *g, int gid, PyObject *key, long long boundary)
 {
     Py_hash_t hash;
     uint32_t tag;
@@ -225,7 +203,7 @@ add_one(Ghost *g, int gid, PyObject *key, long long boundary)
         return -1;
     if (ring_reserve(g) < 0)
         return -1;
-    if ((size_t)(g->size + 1) * 2 > g->table_mask && table_rebuild(g, g->size + 1) < 0)
+    if ((size_t)(g->size + 1) * 2 > g->table_mask && ghost_table_rebuild(g, g->size + 1) < 0)
         return -1;
     tag = mix(hash, gid);
     i = probe(g, gid, key, hash, tag, &found);
@@ -246,8 +224,8 @@ add_one(Ghost *g, int gid, PyObject *key, long long boundary)
 }
 
 /* Forget (gid, key) if present. */
-static int
-discard_one(Ghost *g, int gid, PyObject *key)
+int
+ghost_discard_one(Ghost *g, int gid, PyObject *key)
 {
     Py_hash_t hash;
     int is_bytes, found;
@@ -267,8 +245,8 @@ discard_one(Ghost *g, int gid, PyObject *key)
     return 0;
 }
 
-static int
-has(Ghost *g, int gid, PyObject *key)
+int
+ghost_has(Ghost *g, int gid, PyObject *key)
 {
     Py_hash_t hash;
     int is_bytes, found = 0;
@@ -279,8 +257,8 @@ has(Ghost *g, int gid, PyObject *key)
     return found;
 }
 
-static void
-drop_all(Ghost *g)
+void
+ghost_drop_all(Ghost *g)
 {
     long long pos;
     if (g->ring != NULL)
@@ -311,283 +289,12 @@ kvr_ghost_add(PyObject *ghost, int gid, PyObject *key, PyObject *boundary)
     bd = PyLong_AsLongLong(boundary);
     if (bd == -1 && PyErr_Occurred())
         return -1;
-    return add_one(g, gid, key, bd);
+    return ghost_add_one(g, gid, key, bd);
 }
 
 void
 kvr_ghost_trim(PyObject *ghost)
 {
-    trim((Ghost *)ghost);
+    ghost_trim((Ghost *)ghost);
 }
 
-/* ------------------------------------------------------------------ the Python interface */
-
-static int
-Ghost_init(Ghost *g, PyObject *args, PyObject *kwds)
-{
-    Py_ssize_t num_groups, capacity;
-    static char *names[] = {"num_groups", "capacity", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "nn", names, &num_groups, &capacity))
-        return -1;
-    if (num_groups < 1 || num_groups > 127 || capacity < 0) {
-        PyErr_SetString(PyExc_ValueError,
-                        "Ghost: num_groups must be in [1, 127] and capacity >= 0");
-        return -1;
-    }
-    drop_all(g);
-    g->num_groups = num_groups;
-    g->capacity = capacity;
-    return table_rebuild(g, 0);
-}
-
-static void
-Ghost_dealloc(Ghost *g)
-{
-    drop_all(g);
-    Py_TYPE(g)->tp_free((PyObject *)g);
-}
-
-static PyObject *
-Ghost_add_many(Ghost *g, PyObject *evicted)
-{
-    PyObject *seq;
-    Py_ssize_t i, n;
-    int err = 0;
-    if (g->capacity == 0)
-        Py_RETURN_NONE;
-    if ((seq = PySequence_Fast(evicted, "ghost: add_many takes an iterable of triples")) == NULL)
-        return NULL;
-    n = PySequence_Fast_GET_SIZE(seq);
-    for (i = 0; i < n && !err; i++) {
-        PyObject *row = PySequence_Fast_GET_ITEM(seq, i);
-        int gid;
-        long long boundary;
-        if (!PyTuple_Check(row) || PyTuple_GET_SIZE(row) != 3) {
-            PyErr_SetString(PyExc_TypeError, "ghost: add_many rows are (group_id, key, boundary)");
-            err = 1;
-            break;
-        }
-        boundary = PyLong_AsLongLong(PyTuple_GET_ITEM(row, 2));
-        err = (boundary == -1 && PyErr_Occurred()) ||
-              group_of(g, PyTuple_GET_ITEM(row, 0), &gid) < 0 ||
-              add_one(g, gid, PyTuple_GET_ITEM(row, 1), boundary) < 0;
-    }
-    Py_DECREF(seq);
-    trim(g); /* the rows added before an error are kept, within capacity */
-    if (err)
-        return NULL;
-    Py_RETURN_NONE;
-}
-
-static PyObject *
-Ghost_add(Ghost *g, PyObject *const *args, Py_ssize_t nargs)
-{
-    int gid;
-    long long boundary;
-    if (check_args(nargs, 3, "add") < 0)
-        return NULL;
-    if (g->capacity == 0)
-        Py_RETURN_NONE;
-    boundary = PyLong_AsLongLong(args[2]);
-    if ((boundary == -1 && PyErr_Occurred()) || group_of(g, args[0], &gid) < 0 ||
-        add_one(g, gid, args[1], boundary) < 0)
-        return NULL;
-    trim(g);
-    Py_RETURN_NONE;
-}
-
-static PyObject *
-Ghost_discard(Ghost *g, PyObject *const *args, Py_ssize_t nargs)
-{
-    int gid;
-    if (check_args(nargs, 2, "discard") < 0 || group_of(g, args[0], &gid) < 0 ||
-        discard_one(g, gid, args[1]) < 0)
-        return NULL;
-    Py_RETURN_NONE;
-}
-
-static PyObject *
-Ghost_discard_many(Ghost *g, PyObject *const *args, Py_ssize_t nargs)
-{
-    PyObject *seq;
-    Py_ssize_t i, n;
-    int gid;
-    if (check_args(nargs, 2, "discard_many") < 0 || group_of(g, args[0], &gid) < 0)
-        return NULL;
-    if (g->size == 0)
-        Py_RETURN_NONE;
-    if ((seq = PySequence_Fast(args[1], "ghost: discard_many takes a sequence of keys")) == NULL)
-        return NULL;
-    n = PySequence_Fast_GET_SIZE(seq);
-    for (i = 0; i < n && g->size; i++) {
-        if (discard_one(g, gid, PySequence_Fast_GET_ITEM(seq, i)) < 0) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-    }
-    Py_DECREF(seq);
-    Py_RETURN_NONE;
-}
-
-static PyObject *
-Ghost_contains_method(Ghost *g, PyObject *const *args, Py_ssize_t nargs)
-{
-    int gid, r;
-    if (check_args(nargs, 2, "contains") < 0 || group_of(g, args[0], &gid) < 0 ||
-        (r = has(g, gid, args[1])) < 0)
-        return NULL;
-    return PyBool_FromLong(r);
-}
-
-/* `(group_id, key) in ghost`: anything but a pair is not in it. */
-static int
-Ghost_sq_contains(Ghost *g, PyObject *item)
-{
-    int gid;
-    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2)
-        return 0;
-    if (group_of(g, PyTuple_GET_ITEM(item, 0), &gid) < 0)
-        return -1;
-    return has(g, gid, PyTuple_GET_ITEM(item, 1));
-}
-
-static Py_ssize_t
-Ghost_len(Ghost *g)
-{
-    return g->size;
-}
-
-static PyObject *
-Ghost_clear(Ghost *g, PyObject *unused)
-{
-    drop_all(g);
-    if (table_rebuild(g, 0) < 0)
-        return NULL;
-    Py_RETURN_NONE;
-}
-
-/* The live slots oldest first, as (gid, boundary, key) rows (with_boundary) or (gid, key). */
-static PyObject *
-rows(Ghost *g, int with_boundary)
-{
-    PyObject *out = PyList_New(g->size);
-    Py_ssize_t n = 0;
-    long long pos;
-    if (out == NULL)
-        return NULL;
-    for (pos = g->head; pos < g->tail && n < g->size; pos++) {
-        const ghost_slot *s = &SLOT(g, pos);
-        PyObject *row;
-        if (s->key == NULL)
-            continue;
-        row = with_boundary ? Py_BuildValue("(iLO)", s->gid, s->boundary, s->key)
-                            : Py_BuildValue("(iO)", s->gid, s->key);
-        if (row == NULL) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyList_SET_ITEM(out, n++, row);
-    }
-    return out;
-}
-
-static PyObject *
-Ghost_entries(Ghost *g, PyObject *unused)
-{
-    return rows(g, 1);
-}
-
-static PyObject *
-Ghost_iter(Ghost *g)
-{
-    PyObject *list = rows(g, 0), *it;
-    if (list == NULL)
-        return NULL;
-    it = PyObject_GetIter(list);
-    Py_DECREF(list);
-    return it;
-}
-
-/* Pickling and copy.deepcopy: the constructor's arguments and the rows, oldest first. */
-static PyObject *
-Ghost_reduce(Ghost *g, PyObject *unused)
-{
-    PyObject *state = PyList_New(g->size), *ret;
-    Py_ssize_t n = 0;
-    long long pos;
-    if (state == NULL)
-        return NULL;
-    for (pos = g->head; pos < g->tail && n < g->size; pos++) {
-        const ghost_slot *s = &SLOT(g, pos);
-        PyObject *row;
-        if (s->key == NULL)
-            continue;
-        if ((row = Py_BuildValue("(iOL)", s->gid, s->key, s->boundary)) == NULL) {
-            Py_DECREF(state);
-            return NULL;
-        }
-        PyList_SET_ITEM(state, n++, row);
-    }
-    ret = Py_BuildValue("(O(nn)O)", Py_TYPE(g), g->num_groups, g->capacity, state);
-    Py_DECREF(state);
-    return ret;
-}
-
-static PyObject *
-Ghost_setstate(Ghost *g, PyObject *state)
-{
-    PyObject *r;
-    drop_all(g);
-    if (table_rebuild(g, 0) < 0)
-        return NULL;
-    if ((r = Ghost_add_many(g, state)) == NULL)
-        return NULL;
-    return r;
-}
-
-static PyObject *
-Ghost_capacity(Ghost *g, void *unused)
-{
-    return PyLong_FromSsize_t(g->capacity);
-}
-
-#define FAST(f) (PyCFunction)(void (*)(void))(f)
-
-static PyMethodDef Ghost_methods[] = {
-    {"add", FAST(Ghost_add), METH_FASTCALL, "add(group_id, key, boundary)"},
-    {"add_many", (PyCFunction)Ghost_add_many, METH_O,
-     "add_many(rows): remember (group_id, key, boundary) rows, oldest first; trim once"},
-    {"discard", FAST(Ghost_discard), METH_FASTCALL, "discard(group_id, key)"},
-    {"discard_many", FAST(Ghost_discard_many), METH_FASTCALL, "discard_many(group_id, keys)"},
-    {"contains", FAST(Ghost_contains_method), METH_FASTCALL, "contains(group_id, key) -> bool"},
-    {"clear", (PyCFunction)Ghost_clear, METH_NOARGS, "clear()"},
-    {"entries", (PyCFunction)Ghost_entries, METH_NOARGS,
-     "entries() -> [(group_id, boundary, key)], oldest first"},
-    {"__reduce__", (PyCFunction)Ghost_reduce, METH_NOARGS, NULL},
-    {"__setstate__", (PyCFunction)Ghost_setstate, METH_O, NULL},
-    {NULL, NULL, 0, NULL},
-};
-
-static PyGetSetDef Ghost_getset[] = {
-    {"capacity", (getter)Ghost_capacity, NULL, "the most keys the record holds", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
-};
-
-static PySequenceMethods Ghost_as_sequence = {
-    .sq_length = (lenfunc)Ghost_len,
-    .sq_contains = (objobjproc)Ghost_sq_contains,
-};
-
-PyTypeObject kvr_GhostType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvreuse.core._native.Ghost",
-    .tp_basicsize = sizeof(Ghost),
-    .tp_dealloc = (destructor)Ghost_dealloc,
-    .tp_as_sequence = &Ghost_as_sequence,
-    .tp_iter = (getiterfunc)Ghost_iter,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Ghost(num_groups, capacity): GhostRecord's interface and behaviour (ghost.py)",
-    .tp_methods = Ghost_methods,
-    .tp_getset = Ghost_getset,
-    .tp_init = (initproc)Ghost_init,
-    .tp_new = PyType_GenericNew,
-};

@@ -31,7 +31,8 @@ PyObject *kvr_ref_release(PyObject *self, PyObject *const *args, Py_ssize_t narg
 PyObject *kvr_evict_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *kvr_key_pages(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
-/* ghost.c: the ghost record as a C type (ghost.GhostRecord's interface) */
+/* ghost.c, ghost_type.c: the ghost record as a C type (ghost.GhostRecord's interface); the
+ * eviction kernel adds keys and trims through these two */
 extern PyTypeObject kvr_GhostType;
 int kvr_ghost_add(PyObject *ghost, int gid, PyObject *key, PyObject *boundary);
 void kvr_ghost_trim(PyObject *ghost);

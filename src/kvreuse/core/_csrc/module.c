@@ -4,9 +4,9 @@
  * Every kernel implements one method of a pure-Python owner (hashing.Chain in chain.c,
  * policy.LRUPolicy in queue.c, pool.BlockPool in pool.c) on that owner's own state: the flat
  * arrays, lists and dicts are passed in and changed in place, exactly as the Python method would
- * change them. One owner is a type instead: Ghost (ghost.c) is ghost.GhostRecord with the same
- * interface, its state kept in C. The pure-Python code is the reference; tests/core/test_native*.py
- * compare the two.
+ * change them. One owner is a type instead: Ghost (ghost.c, ghost_type.c) is ghost.GhostRecord
+ * with the same interface, its state kept in C. The pure-Python code is the reference;
+ * tests/core/test_native*.py compare the two.
  * SHA-256 comes from the libcrypto that hashlib loaded, else portable code (sha256.c).
  *
  * KVR_SOURCE_SHA256 (set by setup.py) is the digest of the sources in this folder at build time:
