@@ -1,6 +1,6 @@
 # Types of the optional C kernels (the sources are in _csrc/; the loader is native.py).
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 SOURCE_SHA256: str
 SHA256_BACKEND: str
@@ -31,7 +31,7 @@ def lru_link(
     /,
 ) -> None: ...
 def ref_adopt(ref: array[int], blocks: Iterable[int], /) -> list[int]: ...
-def ref_release(
+def release_refs(
     ref: array[int],
     ordered: Iterable[int],
     key1: list[bytes | None],
@@ -40,6 +40,18 @@ def ref_release(
     multi_group: bool,
     /,
 ) -> tuple[list[int], list[int]] | None: ...
+def publish_keys(
+    index: dict[bytes, int],
+    key1: list[bytes | None],
+    b1: array[int],
+    group: array[int],
+    more: dict[int, list[tuple[int, bytes]]],
+    blocks: Sequence[int],
+    keys: Sequence[bytes],
+    boundaries: Sequence[int],
+    group_id: int,
+    /,
+) -> tuple[list[int], list[bytes], int]: ...
 def evict_keys(
     blocks: Iterable[int],
     key1: list[bytes | None],
@@ -50,15 +62,24 @@ def evict_keys(
     more: dict[int, list[tuple[int, bytes]]],
     group_id: int,
     ref_count: int,
+    ghost: Ghost,
+    rows: bool,
     /,
-) -> tuple[list[tuple[int, bytes, int]], int]: ...
-def key_pages(
-    key1: list[bytes | None],
-    b1: array[int],
-    group: array[int],
-    blocks: Sequence[int],
-    keys: Sequence[bytes],
-    boundaries: Sequence[int],
-    group_id: int,
-    /,
-) -> None: ...
+) -> tuple[list[tuple[int, bytes, int]] | None, int, int]: ...
+
+class Ghost:
+    """ghost.GhostRecord's interface, in C (_csrc/ghost.c)."""
+
+    def __init__(self, num_groups: int, capacity: int) -> None: ...
+    @property
+    def capacity(self) -> int: ...
+    def __len__(self) -> int: ...
+    def __contains__(self, item: object) -> bool: ...
+    def __iter__(self) -> Iterator[tuple[int, bytes]]: ...
+    def contains(self, group_id: int, key: bytes, /) -> bool: ...
+    def add(self, group_id: int, key: bytes, boundary: int, /) -> None: ...
+    def add_many(self, evicted: Iterable[tuple[int, bytes, int]], /) -> None: ...
+    def discard(self, group_id: int, key: bytes, /) -> None: ...
+    def discard_many(self, group_id: int, keys: Sequence[bytes], /) -> None: ...
+    def clear(self) -> None: ...
+    def entries(self) -> list[tuple[int, int, bytes]]: ...

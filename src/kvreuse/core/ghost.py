@@ -5,15 +5,51 @@ a key, every publication removes one) allocate no tuple. Each value packs an ins
 number and the boundary into one int; with several groups the oldest key overall is the group
 head with the smallest sequence number. The record is changed only through its methods, which
 keep the size and the sequence number consistent with the per-group dicts.
+
+`GhostRecord` is the reference. On the native path (`kvreuse.core.native`) the pool holds the
+C type `Ghost` instead (_csrc/ghost.c: one FIFO ring over all groups and a hash table of its
+keys, no Python object per key), with the same interface and observable behaviour; `new_ghost`
+picks one when the pool is constructed, and tests/core/test_native_ghost.py compares the two.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
+from operator import itemgetter
+from typing import Protocol
+
+from kvreuse.core import native
 
 _SHIFT = 32  # value = seq << 32 | boundary (boundaries stay below 2³¹)
 _MASK = (1 << _SHIFT) - 1
+
+
+class Ghost(Protocol):
+    """What the pool, the lookup and the views use of a ghost record (both implementations)."""
+
+    @property
+    def capacity(self) -> int: ...
+    def __len__(self) -> int: ...
+    def __contains__(self, item: object) -> bool: ...
+    def __iter__(self) -> Iterator[tuple[int, bytes]]: ...
+    def contains(self, group_id: int, key: bytes) -> bool: ...
+    def add(self, group_id: int, key: bytes, boundary: int) -> None: ...
+    def add_many(self, evicted: Iterable[tuple[int, bytes, int]]) -> None: ...
+    def discard(self, group_id: int, key: bytes) -> None: ...
+    def discard_many(self, group_id: int, keys: Sequence[bytes]) -> None: ...
+    def clear(self) -> None: ...
+    def entries(self) -> list[tuple[int, int, bytes]]: ...
+
+
+def new_ghost(num_groups: int, capacity: int) -> Ghost:
+    """The C `Ghost` where the native kernels are active (read now: tests switch `native.ext`
+    before constructing), else the pure `GhostRecord`."""
+    ext = native.ext
+    if ext is None:
+        return GhostRecord(num_groups, capacity)
+    ghost: Ghost = ext.Ghost(num_groups, capacity)
+    return ghost
 
 
 class GhostRecord:
@@ -55,7 +91,8 @@ class GhostRecord:
 
         Trimming after the batch keeps the same keys as trimming after each add: the record
         keeps the newest `capacity` keys either way. An evicted key is never in the record
-        (publishing it removed it), so each triple adds one key.
+        (publishing it removed it), so each triple normally adds one key; a key added again
+        (by a caller other than the pool) becomes the newest, counted once.
         """
         if not self._capacity:
             return
@@ -72,7 +109,10 @@ class GhostRecord:
                 seq += 1
                 groups[gid][key] = seq << _SHIFT | boundary
         self._seq = seq
-        self._size += seq - start
+        size = len(groups[0]) if len(groups) == 1 else sum(map(len, groups))
+        if size != self._size + seq - start:  # a key added again kept its old dict position
+            self._reorder()
+        self._size = size
         if self._size > self._capacity:
             self._trim()
 
@@ -93,6 +133,13 @@ class GhostRecord:
             for key in gone:
                 del d[key]
         self._size -= len(gone)
+
+    def _reorder(self) -> None:
+        """Put each group's keys back in sequence order (the rare re-add of a present key)."""
+        for d in self._by_group:
+            items = sorted(d.items(), key=itemgetter(1))
+            d.clear()
+            d.update(items)
 
     def _trim(self) -> None:
         """Drop the oldest keys until the record fits its capacity."""

@@ -11,7 +11,9 @@ Decided once, at import:
   made (no compiler at install time) is silent: the native path is optional.
 
 The pure-Python code is the reference; a kernel implements one owner's method on that owner's
-own state. Owners read `ext` when they are constructed, so a test can build both paths side by
+own state, except `Ghost`, a C type with the whole interface of the ghost record (ghost.py's
+`GhostRecord`: a ring and a hash table instead of a dict per group). Owners read `ext` when they
+are constructed, so a test can build both paths side by
 side by setting ``native.ext = None`` first. This is the one core module that does I/O: it
 reads the environment and the C sources once, and may log one line.
 
@@ -33,11 +35,10 @@ KERNELS = (
     "lru_pop_many",
     "lru_link",
     "ref_adopt",
-    "ref_release",
     "evict_keys",
-    "key_pages",
     "publish_keys",
     "release_refs",
+    "Ghost",
 )
 _log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from kvreuse.core import native
 from kvreuse.core.events import stored_runs
-from kvreuse.core.ghost import GhostRecord
+from kvreuse.core.ghost import Ghost, new_ghost
 from kvreuse.core.kinds import EntryKind, count_entry_kinds, entry_kind
 from kvreuse.core.policy import EvictionPolicy, LRUPolicy, pop_many_of
 
@@ -62,7 +62,7 @@ class BlockPool:
         self._release_seq = None if isinstance(factory, str) else array("q", bytes(8 * n))
         self._batch = 0
         self.index: list[dict[bytes, int]] = [{} for _ in geo.groups]
-        self.ghost = GhostRecord(len(geo.groups), geo.ghost_capacity)
+        self.ghost: Ghost = new_ghost(len(geo.groups), geo.ghost_capacity)  # C on the native path
         self.ghost_capacity = geo.ghost_capacity
         self._unit = geo.hash_unit
         # Per group: the page size `entry_kind` takes (0: recurrent states) and the state page
@@ -328,21 +328,24 @@ class BlockPool:
         index for the ghost record with one BlockRemoved event, in block order and ascending
         boundary within a block.
         """
-        if self._k_evict is not None:
-            gone, num_blocks = self._k_evict(
+        events = self.events.enabled
+        gone: list[tuple[int, bytes, int]] | None
+        if self._k_evict is not None:  # the kernel also adds the keys to the C ghost record
+            gone, num_keys, num_blocks = self._k_evict(
                 blocks, self._key1, self._b1, self.group, self.ref, self.index, self._more,
-                group_id, ref_count,
+                group_id, ref_count, self.ghost, events,
             )  # fmt: skip
         else:
             gone, num_blocks = self._unkey(blocks, group_id, ref_count)
+            self.ghost.add_many(gone)
+            num_keys = len(gone)
         if not num_blocks:
             return
-        if self.events.enabled:
+        if events and gone is not None:
             removed, page = self.events.removed, self._full_page
             for gid, key, bd in gone:
                 removed(gid, key, bd, entry_kind(page[gid], bd))
-        self.ghost.add_many(gone)
-        self.num_removed_keys += len(gone)
+        self.num_removed_keys += num_keys
         self.num_evicted_blocks += num_blocks
 
     def _unkey(

@@ -27,9 +27,13 @@ PyObject *kvr_lru_link(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 /* pool.c: BlockPool's loops */
 PyObject *kvr_ref_adopt(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
-PyObject *kvr_ref_release(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *kvr_evict_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
-PyObject *kvr_key_pages(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
+/* ghost.c, ghost_type.c: the ghost record as a C type (ghost.GhostRecord's interface); the
+ * eviction kernel adds keys and trims through these two */
+extern PyTypeObject kvr_GhostType;
+int kvr_ghost_add(PyObject *ghost, int gid, PyObject *key, PyObject *boundary);
+void kvr_ghost_trim(PyObject *ghost);
 
 /* ------------------------------------------------------------------ the owners' flat arrays */
 

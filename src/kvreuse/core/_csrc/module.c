@@ -4,7 +4,9 @@
  * Every kernel implements one method of a pure-Python owner (hashing.Chain in chain.c,
  * policy.LRUPolicy in queue.c, pool.BlockPool in pool.c) on that owner's own state: the flat
  * arrays, lists and dicts are passed in and changed in place, exactly as the Python method would
- * change them. The pure-Python code is the reference; tests/core/test_native*.py compare the two.
+ * change them. One owner is a type instead: Ghost (ghost.c, ghost_type.c) is ghost.GhostRecord
+ * with the same interface, its state kept in C. The pure-Python code is the reference;
+ * tests/core/test_native*.py compare the two.
  * SHA-256 comes from the libcrypto that hashlib loaded, else portable code (sha256.c).
  *
  * KVR_SOURCE_SHA256 (set by setup.py) is the digest of the sources in this folder at build time:
@@ -31,13 +33,9 @@ static PyMethodDef methods[] = {
      "lru_link(nxt, prv, inq, unkeyed, keyed): LRUPolicy.release's linking"},
     {"ref_adopt", (PyCFunction)(void (*)(void))kvr_ref_adopt, METH_FASTCALL,
      "ref_adopt(ref, blocks) -> list[int]: the blocks whose count was 0"},
-    {"ref_release", (PyCFunction)(void (*)(void))kvr_ref_release, METH_FASTCALL,
-     "ref_release(ref, ordered, key1, group, b1, multi_group) -> None | (unkeyed, keyed)"},
     {"evict_keys", (PyCFunction)(void (*)(void))kvr_evict_keys, METH_FASTCALL,
-     "evict_keys(blocks, key1, b1, group, ref, index, more, group_id, ref_count)"
-     " -> (gone, num_blocks)"},
-    {"key_pages", (PyCFunction)(void (*)(void))kvr_key_pages, METH_FASTCALL,
-     "key_pages(key1, b1, group, blocks, keys, boundaries, group_id)"},
+     "evict_keys(blocks, key1, b1, group, ref, index, more, group_id, ref_count, ghost, rows)"
+     " -> (gone, num_keys, num_blocks)"},
     {"publish_keys", (PyCFunction)(void (*)(void))kvr_publish_keys, METH_FASTCALL,
      "publish_keys(index, key1, b1, group, more, blocks, keys, boundaries, group_id)"
      " -> (done, fresh, stop)"},
@@ -58,6 +56,11 @@ PyInit__native(void)
     if (m == NULL)
         return NULL;
     kvr_sha256_load();
+    if (PyType_Ready(&kvr_GhostType) < 0 ||
+        PyModule_AddObjectRef(m, "Ghost", (PyObject *)&kvr_GhostType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     if (PyModule_AddStringConstant(m, "SOURCE_SHA256", KVR_SOURCE_SHA256) < 0 ||
         PyModule_AddStringConstant(m, "SHA256_BACKEND",
                                    kvr_sha256_backend()) < 0 ||

@@ -1,7 +1,8 @@
 /*
  * BlockPool's per-block loops (pool.py) on its own state: ref, b1 (array('i')), group
  * (array('b')), key1 (a list of bytes or None), the index (a list of dicts) and the lower keys of
- * large pages (a dict). The ghost record, the events and the counters stay with the caller.
+ * large pages (a dict). Evicted keys go straight into the C ghost record (ghost.c); the events
+ * and the counters stay with the caller.
  */
 #include "kvr.h"
 
@@ -96,70 +97,71 @@ out:
     return ret;
 }
 
-/* ref_release(ref, ordered, key1, group, b1, multi_group) -> None | (unkeyed, keyed):
- * BlockPool.release's counting and the split of its queueing; None when no block reached 0. */
-PyObject *
-kvr_ref_release(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* Where evict_keys sends each evicted key: the C ghost record, and (when events are taken) a
+ * list of (group, key, boundary) rows. */
+typedef struct {
+    PyObject *ghost, *gone; /* gone: NULL when no rows are wanted */
+    Py_ssize_t num_keys;
+} evicted;
+
+static int
+emit(evicted *out, int g, PyObject *key, PyObject *boundary)
 {
-    flat ref, group, b1;
-    PyObject *seq, *zero = NULL, *ret = NULL, *key1 = args[2];
-    Py_ssize_t i, n, limit;
-    int multi;
-    if (check_args(nargs, 6, "ref_release") < 0)
-        return NULL;
-    if (!PyList_Check(key1)) {
-        PyErr_SetString(PyExc_TypeError, "ref_release: key1 must be a list");
-        return NULL;
+    PyObject *row, *gid;
+    out->num_keys++;
+    if (kvr_ghost_add(out->ghost, g, key, boundary) < 0)
+        return -1;
+    if (out->gone == NULL)
+        return 0;
+    if ((gid = PyLong_FromLong(g)) == NULL)
+        return -1;
+    row = PyTuple_Pack(3, gid, key, boundary);
+    Py_DECREF(gid);
+    if (row == NULL || PyList_Append(out->gone, row) < 0) {
+        Py_XDECREF(row);
+        return -1;
     }
-    if ((multi = PyObject_IsTrue(args[5])) < 0)
-        return NULL;
-    if ((seq = PySequence_Fast(args[1], "ref_release: ordered must be iterable")) == NULL)
-        return NULL;
-    if (flat_open(args[0], 4, "ref_release", &ref) < 0)
+    Py_DECREF(row);
+    return 0;
+}
+
+/* The lower keys of a large page (`more`'s list for block b, ascending) leave the index. */
+static int
+evict_lower(Py_ssize_t b, int g, PyObject *idx, PyObject *more, evicted *out)
+{
+    PyObject *bo = PyLong_FromSsize_t(b), *lower;
+    Py_ssize_t j;
+    int ret = -1;
+    if (bo == NULL)
+        return -1;
+    lower = PyDict_GetItemWithError(more, bo);
+    if (lower == NULL) {
+        Py_DECREF(bo);
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    Py_INCREF(lower);
+    if (PyDict_DelItem(more, bo) < 0)
         goto out;
-    if (flat_open(args[3], 1, "ref_release", &group) < 0)
-        goto close_ref;
-    if (flat_open(args[4], 4, "ref_release", &b1) < 0)
-        goto close_group;
-    limit = ref.len;
-    if (group.len < limit)
-        limit = group.len;
-    if (b1.len < limit)
-        limit = b1.len;
-    if (PyList_GET_SIZE(key1) < limit)
-        limit = PyList_GET_SIZE(key1);
-    if ((zero = PyList_New(0)) == NULL)
-        goto close;
-    n = PySequence_Fast_GET_SIZE(seq);
-    for (i = 0; i < n; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
-        Py_ssize_t b;
-        if (block_id(item, limit, &b) < 0)
-            goto close;
-        if (--I32(ref)[b] == 0 && PyList_Append(zero, item) < 0)
-            goto close;
+    for (j = 0; j < PyList_GET_SIZE(lower); j++) {
+        PyObject *pair = PyList_GET_ITEM(lower, j); /* (boundary, key) */
+        PyObject *k = PyTuple_GET_ITEM(pair, 1);
+        if (PyDict_DelItem(idx, k) < 0 || emit(out, g, k, PyTuple_GET_ITEM(pair, 0)) < 0)
+            goto out;
     }
-    ret = PyList_GET_SIZE(zero) ? split_release(zero, key1, &group, &b1, multi)
-                                : Py_NewRef(Py_None);
-close:
-    Py_XDECREF(zero);
-    PyBuffer_Release(&b1.view);
-close_group:
-    PyBuffer_Release(&group.view);
-close_ref:
-    PyBuffer_Release(&ref.view);
+    ret = 0;
 out:
-    Py_DECREF(seq);
+    Py_DECREF(lower);
+    Py_DECREF(bo);
     return ret;
 }
 
-/* Evict one block's keys into `gone`; 1 if it had any, 0 if not, -1 on error. */
+/* Evict one block's keys; 1 if it had any, 0 if not, -1 on error. */
 static int
 evict_block(Py_ssize_t b, PyObject *key1, flat *b1, flat *group, PyObject *index,
-            PyObject *more, PyObject *gone)
+            PyObject *more, evicted *out)
 {
-    PyObject *key = PyList_GET_ITEM(key1, b), *idx, *gid, *row;
-    int g = I8(*group)[b];
+    PyObject *key = PyList_GET_ITEM(key1, b), *idx, *bd;
+    int g = I8(*group)[b], r;
     if (key == Py_None)
         return 0;
     if (g < 0 || g >= PyList_GET_SIZE(index)) {
@@ -167,89 +169,45 @@ evict_block(Py_ssize_t b, PyObject *key1, flat *b1, flat *group, PyObject *index
         return -1;
     }
     idx = PyList_GET_ITEM(index, g);
-    if ((gid = PyLong_FromLong(g)) == NULL)
+    if (PyDict_GET_SIZE(more) && evict_lower(b, g, idx, more, out) < 0)
         return -1;
-    if (PyDict_GET_SIZE(more)) { /* the lower keys of a large page, ascending */
-        PyObject *bo = PyLong_FromSsize_t(b), *lower;
-        if (bo == NULL)
-            goto fail;
-        lower = PyDict_GetItemWithError(more, bo);
-        if (lower != NULL) {
-            Py_ssize_t j;
-            Py_INCREF(lower);
-            if (PyDict_DelItem(more, bo) < 0) {
-                Py_DECREF(lower);
-                Py_DECREF(bo);
-                goto fail;
-            }
-            for (j = 0; j < PyList_GET_SIZE(lower); j++) {
-                PyObject *pair = PyList_GET_ITEM(lower, j); /* (boundary, key) */
-                PyObject *k = PyTuple_GET_ITEM(pair, 1);
-                if (PyDict_DelItem(idx, k) < 0 ||
-                    (row = PyTuple_Pack(3, gid, k, PyTuple_GET_ITEM(pair, 0))) == NULL) {
-                    Py_DECREF(lower);
-                    Py_DECREF(bo);
-                    goto fail;
-                }
-                if (PyList_Append(gone, row) < 0) {
-                    Py_DECREF(row);
-                    Py_DECREF(lower);
-                    Py_DECREF(bo);
-                    goto fail;
-                }
-                Py_DECREF(row);
-            }
-            Py_DECREF(lower);
-        }
-        Py_DECREF(bo);
-        if (PyErr_Occurred())
-            goto fail;
-    }
-    if (PyDict_DelItem(idx, key) < 0)
-        goto fail;
-    {
-        PyObject *bd = PyLong_FromLong(I32(*b1)[b]);
-        if (bd == NULL)
-            goto fail;
-        row = PyTuple_Pack(3, gid, key, bd);
-        Py_DECREF(bd);
-    }
-    if (row == NULL || PyList_Append(gone, row) < 0) {
-        Py_XDECREF(row);
-        goto fail;
-    }
-    Py_DECREF(row);
-    Py_DECREF(gid);
-    Py_INCREF(Py_None);
-    PyList_SET_ITEM(key1, b, Py_None); /* drops the list's reference to the key */
+    if (PyDict_DelItem(idx, key) < 0 || (bd = PyLong_FromLong(I32(*b1)[b])) == NULL)
+        return -1;
+    r = emit(out, g, key, bd);
+    Py_DECREF(bd);
+    if (r < 0)
+        return -1;
+    PyList_SET_ITEM(key1, b, Py_NewRef(Py_None)); /* drops the list's reference to the key */
     Py_DECREF(key);
     return 1;
-fail:
-    Py_DECREF(gid);
-    return -1;
 }
 
-/* evict_keys(blocks, key1, b1, group, ref, index, more, group_id, ref_count)
- *     -> (gone, num_blocks)
+/* evict_keys(blocks, key1, b1, group, ref, index, more, group_id, ref_count, ghost, rows)
+ *     -> (gone, num_keys, num_blocks)
  * BlockPool._evict_keys' loop: every key of `blocks` leaves its index (the lower keys of a
- * large page first), as (group, key, boundary) rows in block order; each block then gets
- * `group_id` and `ref_count`. The ghost record and the events stay with the caller. */
+ * large page first) for the C ghost record `ghost` (trimmed once, at the end), in block order;
+ * `gone` lists them as (group, key, boundary) rows when `rows` is true, else is None. Each block
+ * then gets `group_id` and `ref_count`. The events stay with the caller. */
 PyObject *
 kvr_evict_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *seq, *key1 = args[1], *index = args[5], *more = args[6], *gone = NULL, *ret = NULL;
+    PyObject *seq, *key1 = args[1], *index = args[5], *more = args[6], *ret = NULL;
     flat b1, group, ref;
     Py_ssize_t i, n, limit, num_blocks = 0;
     long group_id, ref_count;
-    if (check_args(nargs, 9, "evict_keys") < 0)
+    int rows;
+    evicted out = {args[9], NULL, 0};
+    if (check_args(nargs, 11, "evict_keys") < 0)
         return NULL;
-    if (!PyList_Check(key1) || !PyList_Check(index) || !PyDict_Check(more)) {
-        PyErr_SetString(PyExc_TypeError, "evict_keys: key1 and index must be lists, more a dict");
+    if (!PyList_Check(key1) || !PyList_Check(index) || !PyDict_Check(more) ||
+        !PyObject_TypeCheck(out.ghost, &kvr_GhostType)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "evict_keys: key1 and index must be lists, more a dict, ghost a Ghost");
         return NULL;
     }
     group_id = PyLong_AsLong(args[7]);
     ref_count = PyLong_AsLong(args[8]);
-    if (PyErr_Occurred())
+    if (PyErr_Occurred() || (rows = PyObject_IsTrue(args[10])) < 0)
         return NULL;
     if (group_id < -128 || group_id > 127 || ref_count < INT32_MIN || ref_count > INT32_MAX) {
         PyErr_SetString(PyExc_OverflowError, "evict_keys: group_id or ref_count out of range");
@@ -270,22 +228,23 @@ kvr_evict_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         limit = group.len;
     if (ref.len < limit)
         limit = ref.len;
-    if ((gone = PyList_New(0)) == NULL)
+    if (rows && (out.gone = PyList_New(0)) == NULL)
         goto close;
     n = PySequence_Fast_GET_SIZE(seq);
     for (i = 0; i < n; i++) {
         Py_ssize_t b;
         int r;
         if (block_id(PySequence_Fast_GET_ITEM(seq, i), limit, &b) < 0 ||
-            (r = evict_block(b, key1, &b1, &group, index, more, gone)) < 0)
+            (r = evict_block(b, key1, &b1, &group, index, more, &out)) < 0)
             goto close;
         num_blocks += r;
         I32(ref)[b] = (int32_t)ref_count;
         I8(group)[b] = (int8_t)group_id;
     }
-    ret = Py_BuildValue("(On)", gone, num_blocks);
+    ret = Py_BuildValue("(Onn)", rows ? out.gone : Py_None, out.num_keys, num_blocks);
 close:
-    Py_XDECREF(gone);
+    kvr_ghost_trim(out.ghost); /* also after an error: the keys already added stay bounded */
+    Py_XDECREF(out.gone);
     PyBuffer_Release(&ref.view);
 close_group:
     PyBuffer_Release(&group.view);
@@ -293,74 +252,5 @@ close_b1:
     PyBuffer_Release(&b1.view);
 out:
     Py_DECREF(seq);
-    return ret;
-}
-
-/* key_pages(key1, b1, group, blocks, keys, boundaries, group_id): BlockPool._publish_pages'
- * loop, each block taking its single key, boundary and group (the index is the caller's). */
-PyObject *
-kvr_key_pages(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    PyObject *key1 = args[0], *blocks = NULL, *keys = NULL, *bounds = NULL, *ret = NULL;
-    flat b1, group;
-    Py_ssize_t i, n, limit;
-    long group_id;
-    if (check_args(nargs, 7, "key_pages") < 0)
-        return NULL;
-    if (!PyList_Check(key1)) {
-        PyErr_SetString(PyExc_TypeError, "key_pages: key1 must be a list");
-        return NULL;
-    }
-    group_id = PyLong_AsLong(args[6]);
-    if (group_id == -1 && PyErr_Occurred())
-        return NULL;
-    if (group_id < 0 || group_id > 127) {
-        PyErr_SetString(PyExc_OverflowError, "key_pages: group_id out of range");
-        return NULL;
-    }
-    blocks = PySequence_Fast(args[3], "key_pages: blocks must be a sequence");
-    keys = blocks ? PySequence_Fast(args[4], "key_pages: keys must be a sequence") : NULL;
-    bounds = keys ? PySequence_Fast(args[5], "key_pages: boundaries must be a sequence") : NULL;
-    if (bounds == NULL)
-        goto out;
-    n = PySequence_Fast_GET_SIZE(blocks);
-    if (PySequence_Fast_GET_SIZE(keys) != n || PySequence_Fast_GET_SIZE(bounds) != n) {
-        PyErr_SetString(PyExc_ValueError, "key_pages: blocks, keys and boundaries differ in length");
-        goto out;
-    }
-    if (flat_open(args[1], 4, "key_pages", &b1) < 0)
-        goto out;
-    if (flat_open(args[2], 1, "key_pages", &group) < 0)
-        goto close_b1;
-    limit = PyList_GET_SIZE(key1);
-    if (b1.len < limit)
-        limit = b1.len;
-    if (group.len < limit)
-        limit = group.len;
-    for (i = 0; i < n; i++) {
-        Py_ssize_t b;
-        PyObject *key = PySequence_Fast_GET_ITEM(keys, i);
-        long bd = PyLong_AsLong(PySequence_Fast_GET_ITEM(bounds, i));
-        if ((bd == -1 && PyErr_Occurred()) ||
-            block_id(PySequence_Fast_GET_ITEM(blocks, i), limit, &b) < 0)
-            goto close;
-        if (bd < INT32_MIN || bd > INT32_MAX) {
-            PyErr_SetString(PyExc_OverflowError, "key_pages: boundary out of range");
-            goto close;
-        }
-        Py_INCREF(key);
-        PyList_SetItem(key1, b, key);
-        I32(b1)[b] = (int32_t)bd;
-        I8(group)[b] = (int8_t)group_id;
-    }
-    ret = Py_NewRef(Py_None);
-close:
-    PyBuffer_Release(&group.view);
-close_b1:
-    PyBuffer_Release(&b1.view);
-out:
-    Py_XDECREF(blocks);
-    Py_XDECREF(keys);
-    Py_XDECREF(bounds);
     return ret;
 }
