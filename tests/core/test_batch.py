@@ -85,3 +85,24 @@ def test_decode_commits_publish_every_boundary_they_complete(page: int, lookahea
         units = (num_tokens - lookahead) // 4
         want = set(range(4, min(t, units * 4) + 1, 4))
         assert {row[1] for row in mgr.export_entries()} == want, (t, num_tokens)
+
+
+def test_a_decode_plan_that_crosses_a_boundary_counts_as_pending() -> None:
+    """A batched decode plan whose commit would publish a boundary (7 → 8 crosses 8 with u = 4)
+    is no quiet plan: a lookup made while it is open reports that key in pending_hit (§7.8),
+    while one inside a unit (8 → 9) adds nothing."""
+    mgr = KVCacheManager(CFG)
+    prompt = [1, 2, 3, 4, 5, 6]
+    mgr.add_request(Request("a", prompt))
+    res = mgr.lookup("a")
+    assert mgr.allocate("a", 6, lookup=res) is not None
+    step = mgr.seal_step()
+    mgr.commit_batch(step.step_id, [(6, [7])])
+    mgr.add_request(Request("b", [*prompt, 7, 8, 9, 9]))
+    for position, token, want in ((6, 8, (4, 4)), (7, 9, (4, 8)), (8, 5, (8, 8))):
+        assert [p.start for p in mgr.allocate_many(["a"]) if p] == [position]
+        res = mgr.lookup("b")
+        assert (res.hit, res.pending_hit) == want, position
+        step = mgr.seal_step()
+        mgr.commit_batch(step.step_id, [(position + 1, [token])])
+        mgr.check_invariants()

@@ -75,7 +75,9 @@ class StepLedger:
         "_geo",
         "_keys",
         "_keys_at",
+        "_loud",
         "_next_step",
+        "_num_loud",
         "_open",
         "_parked",
         "_sealed",
@@ -96,7 +98,11 @@ class StepLedger:
         self.version = 0  # moves on every change but `add`
         self._keys: list[set[bytes]] = []
         self._keys_at = -1  # `version` the union was built at
-        self._seen = 0  # plans the union includes
+        self._seen = 0  # loud plans the union includes
+        # Per open or sealed step (the open one under key 0), its records that are not quiet:
+        # only they can add pending keys, so the union reads them and never the quiet ones.
+        self._loud: dict[int, list[PlanRecord]] = {0: []}
+        self._num_loud = 0  # loud plans ever added
 
     # ------------------------------------------------------------------ reading
     def records(self) -> list[PlanRecord]:
@@ -137,6 +143,9 @@ class StepLedger:
         rec.req.open_plan = rec.plan
         self._open.append(rec)
         self.num_plans += 1
+        if not rec.quiet:
+            self._loud[0].append(rec)
+            self._num_loud += 1
 
     def seal(self) -> tuple[int, list[PlanRecord]]:
         """Close the open step; returns its id and records, in allocation order."""
@@ -149,6 +158,8 @@ class StepLedger:
                 r.req.open_plan = None
                 r.req.inflight.append(step_id)
             self._sealed[step_id] = recs
+            self._loud[step_id] = self._loud[0]
+            self._loud[0] = []
         else:
             self._remember(step_id, StepFate.EMPTY)
         self.version += 1
@@ -157,6 +168,7 @@ class StepLedger:
     def settle(self, step_id: int, fate: StepFate) -> list[PlanRecord]:
         """Remove the oldest sealed step (checked by `check`) and record its fate."""
         recs = self._sealed.pop(step_id)
+        del self._loud[step_id]
         self._remember(step_id, fate)
         for r in recs:
             inflight = r.req.inflight
@@ -179,6 +191,7 @@ class StepLedger:
         recs = [r for r in self._open if r.req is req]
         if recs:
             self._open = [r for r in self._open if r.req is not req]
+            self._loud[0] = [r for r in self._loud[0] if r.req is not req]
             self.version += 1
         req.open_plan = None
         return recs
@@ -216,15 +229,15 @@ class StepLedger:
         if not self._open and not self._sealed:
             return None
         if self._keys_at == self.version:  # only plans were added since: extend the union
-            new = self.num_plans - self._seen
-            recs = self._open[len(self._open) - new :] if new else []
+            new, loud = self._num_loud - self._seen, self._loud[0]
+            recs = loud[len(loud) - new :] if new else []
         else:
             self._keys = [set() for _ in self._geo.groups]
-            recs = self.records()
+            recs = list(itertools.chain.from_iterable(self._loud.values()))
         keys = self._keys
         for rec in recs:
             req = rec.req
-            if rec.quiet or rec.withdrawn or req.deferred is not None:
+            if rec.withdrawn or req.deferred is not None:
                 continue
             # A record's keys change only when its request commits (T, processed, the chain
             # and window frees move together), so they are cached per (T, units).
@@ -233,7 +246,7 @@ class StepLedger:
                 rec.keys, rec.keys_at = plan_keys(self._geo, rec), rec_at
             for gid, key in rec.keys:
                 keys[gid].add(key)
-        self._keys_at, self._seen = self.version, self.num_plans
+        self._keys_at, self._seen = self.version, self._num_loud
         return keys
 
 
