@@ -15,6 +15,8 @@ and prints the ratios of the two rates measured in this run.
 Every record carries `params.path`, the core path that ran ("native": the C kernels, "pure":
 pure Python). `--paths native,pure` runs each preset on each path in its own subprocess
 (`KVREUSE_PURE=0` or `1`), alternating which goes first, and prints the ratios per path.
+`--rounds N` repeats all of it N times (ours, then vLLM's, each round) and, with `--anchor`, ends
+with each ratio's median over the rounds and every round's value (`params.per_round`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -115,24 +118,62 @@ def run_anchor(anchor_py: Path, requests: int) -> dict[str, Any] | None:
     return recs[0]
 
 
-def emit_ratios(rec: dict[str, Any], ours: float, path: str) -> None:
-    """Ours on `attention-16` over vLLM's rate, with and without vLLM's request building."""
+def ratios(rec: dict[str, Any], ours: float) -> dict[str, float]:
+    """Ours on `attention-16` over vLLM's rate: like for like (vLLM's request building, where
+    it hashes a prompt, included: ours hashes inside the timed run) and vLLM's loop alone."""
+    return {
+        "sim_vs_vllm_ratio": ours / rec["params"]["requests_per_s_incl_request_build"],
+        "sim_vs_vllm_loop_ratio": ours / rec["value"],
+    }
+
+
+def emit_ratios(rec: dict[str, Any], ours: float, path: str, **extra: Any) -> None:
     p = rec["params"]
-    # vLLM hashes a prompt when its Request is built; ours hashes inside the timed run, so
-    # the like-for-like rate includes vLLM's request building.
-    theirs = p["requests_per_s_incl_request_build"]
     common = dict(
         ours_requests_per_s=round(ours, 1),
-        vllm_requests_per_s_incl_build=theirs,
+        vllm_requests_per_s_incl_build=p["requests_per_s_incl_request_build"],
         vllm_requests_per_s_loop_only=rec["value"],
         vllm_steps=p["steps"],
         vllm_preemptions=p["preemptions"],
         path=path,
         note="same machine, same run; ratios, not absolute rates, are comparable",
+        **extra,
     )
-    emit("sim_vs_vllm_ratio", round(ours / theirs, 2), "x", **common)
-    # vLLM's scheduler loop alone (its prompts hashed before the clock starts; ours inside)
-    emit("sim_vs_vllm_loop_ratio", round(ours / rec["value"], 2), "x", target=">= 3", **common)
+    for metric, value in ratios(rec, ours).items():
+        target = {"target": ">= 3"} if metric == "sim_vs_vllm_loop_ratio" else {}
+        emit(metric, round(value, 2), "x", **target, **common)
+
+
+def emit_medians(per_round: dict[str, list[dict[str, float]]]) -> None:
+    """Per path, the median of each ratio over the rounds, with every round's value."""
+    for path, rounds in per_round.items():
+        for metric in ("sim_vs_vllm_ratio", "sim_vs_vllm_loop_ratio"):
+            values = [r[metric] for r in rounds]
+            extra = {"target": ">= 3"} if metric == "sim_vs_vllm_loop_ratio" else {}
+            emit(
+                metric,
+                round(statistics.median(values), 2),
+                "x",
+                stat=f"median of {len(values)} rounds",
+                per_round=[round(v, 3) for v in values],
+                path=path,
+                **extra,
+            )
+
+
+def run_round(args: argparse.Namespace, names: list[str], rnd: int) -> dict[str, dict[str, float]]:
+    """Every preset on every path once; path -> preset -> requests/s."""
+    rates: dict[str, dict[str, float]] = {}  # path -> preset -> requests/s
+    if args.paths is None:
+        rates[native.ACTIVE] = {name: run_ours(name, args.requests) for name in names}
+        return rates
+    for i, name in enumerate(names):
+        order = args.paths if (i + rnd) % 2 == 0 else args.paths[::-1]  # alternate the first
+        for path in order:
+            rate = run_path(path, name, args.requests)
+            if rate is not None:
+                rates.setdefault(path, {})[name] = rate
+    return rates
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,28 +188,41 @@ def main(argv: list[str] | None = None) -> int:
         help="comma list of core paths (native, pure), each preset run on each in its own "
         "subprocess; default: this process's path only",
     )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run everything this many times, alternating ours and vLLM's; with --anchor the "
+        "ratios are also given as medians over the rounds",
+    )
     args = ap.parse_args(argv)
     if args.requests < 1:
         ap.error(f"--requests must be ≥ 1, got {args.requests}")
+    if args.rounds < 1:
+        ap.error(f"--rounds must be ≥ 1, got {args.rounds}")
     names = args.presets.split(",")
-    rates: dict[str, dict[str, float]] = {}  # path -> preset -> requests/s
-    if args.paths is None:
-        rates[native.ACTIVE] = {name: run_ours(name, args.requests) for name in names}
-    else:
-        paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    if args.paths is not None:
+        args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+        paths = args.paths
         if not paths or any(p not in PATHS for p in paths) or len(set(paths)) != len(paths):
             ap.error(f"--paths: expected a comma list of {', '.join(PATHS)}, got {args.paths!r}")
-        for i, name in enumerate(names):
-            for path in paths if i % 2 == 0 else paths[::-1]:  # alternate which goes first
-                rate = run_path(path, name, args.requests)
-                if rate is not None:
-                    rates.setdefault(path, {})[name] = rate
-    if args.anchor:
+    per_round: dict[str, list[dict[str, float]]] = {}  # path -> each round's ratios
+    for rnd in range(args.rounds):
+        if args.rounds > 1:
+            print(f"round {rnd + 1} of {args.rounds}", file=sys.stderr)
+        rates = run_round(args, names, rnd)
+        if not args.anchor:
+            continue
         rec = run_anchor(args.anchor_python, args.requests)
-        if rec is not None:
-            for path, by_preset in rates.items():
-                if "attention-16" in by_preset:
-                    emit_ratios(rec, by_preset["attention-16"], path)
+        if rec is None:
+            break
+        for path, by_preset in rates.items():
+            if "attention-16" in by_preset:
+                ours = by_preset["attention-16"]
+                emit_ratios(rec, ours, path, round=rnd + 1)
+                per_round.setdefault(path, []).append(ratios(rec, ours))
+    if args.rounds > 1 and per_round:
+        emit_medians(per_round)
     return 0
 
 

@@ -124,6 +124,9 @@ class ScriptedEngine:
             num = seq.num_tokens
             end = plan.start + plan.num_new_tokens
             self.num_forward_tokens += plan.num_new_tokens
+            if end == num and not plan.saves:  # most plans: a decode step, one token sampled
+                out.append((num, [tokens(seq, num, ())], []))
+                continue
             new: list[int]
             if end < num:  # a prefill chunk: no token is sampled
                 t_new, new = end, []
