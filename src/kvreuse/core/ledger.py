@@ -57,7 +57,7 @@ class PlanRecord:
     end: int
     step_id: int = -1
     withdrawn: bool = False
-    keys: list[tuple[int, bytes]] | None = None  # pending keys, valid while `keys_at` holds
+    keys: list[tuple[int, list[bytes]]] | None = None  # (gid, pending keys) while `keys_at` holds
     keys_at: tuple[int, int] = (-1, -1)  # (req.committed, req.chain.num_units) when computed
     # Known at allocation to publish nothing: no save, no unit boundary in (start, end], and no
     # other step of its request in flight to move T or the chain before it commits (most
@@ -244,30 +244,33 @@ class StepLedger:
             rec_at = (req.committed, req.chain.num_units)
             if rec.keys is None or rec.keys_at != rec_at:
                 rec.keys, rec.keys_at = plan_keys(self._geo, rec), rec_at
-            for gid, key in rec.keys:
-                keys[gid].add(key)
+            for gid, group_keys in rec.keys:
+                keys[gid].update(group_keys)
         self._keys_at, self._seen = self.version, self._num_loud
         return keys
 
 
-def plan_keys(geo: Geometry, rec: PlanRecord) -> list[tuple[int, bytes]]:
-    """(gid, key) a plan's commit would publish if it committed with T′ = end."""
+def plan_keys(geo: Geometry, rec: PlanRecord) -> list[tuple[int, list[bytes]]]:
+    """(gid, keys) a plan's commit would publish if it committed with T′ = end."""
     req = rec.req
     u = geo.hash_unit
     hashes = req.chain.hashes
     E = min(rec.end, req.chain.num_units * u)
     if not rec.saves and all(d + u > E for d in req.processed.values()):
         return []  # most decode plans: no boundary of theirs is left to publish
-    keys: list[tuple[int, bytes]] = []
+    out: list[tuple[int, list[bytes]]] = []
     for gid, row in req.tables.items():
         g = geo.groups[gid]
         if not g.cacheable:
             continue
-        B = g.page_size
-        for b in range(req.processed[gid] + u, E + 1, u):
-            if row[(b - 1) // B] != NULL:
-                keys.append((gid, hashes[b // u]))
-    for s in rec.saves:
-        if s.planned and s.position <= E:
-            keys.append((s.gid, hashes[s.position // u]))
-    return keys
+        page = g.page_size
+        lo, hi = req.processed[gid] // u + 1, E // u  # the units whose boundaries it keys
+        if lo > hi:
+            continue
+        if page == u and NULL not in row[lo - 1 : hi]:  # one page per unit, all held: a slice
+            out.append((gid, hashes[lo : hi + 1]))
+        else:
+            out.append((gid, [hashes[k] for k in range(lo, hi + 1) if row[(k * u - 1) // page]]))
+    saves = [(s.gid, hashes[s.position // u]) for s in rec.saves if s.planned and s.position <= E]
+    out.extend((gid, [key]) for gid, key in saves)
+    return out
