@@ -148,9 +148,12 @@ Ghost_clear(Ghost *g, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-/* The live slots oldest first, as (gid, boundary, key) rows (with_boundary) or (gid, key). */
+/* The live slots oldest first, as rows of one shape: (gid, key), (gid, boundary, key) for
+ * entries(), or (gid, key, boundary), add_many's triples, for pickling. */
+enum row_shape { ROW_KEY, ROW_ENTRY, ROW_TRIPLE };
+
 static PyObject *
-rows(Ghost *g, int with_boundary)
+rows(Ghost *g, enum row_shape shape)
 {
     PyObject *out = PyList_New(g->size);
     Py_ssize_t n = 0;
@@ -162,8 +165,12 @@ rows(Ghost *g, int with_boundary)
         PyObject *row;
         if (s->key == NULL)
             continue;
-        row = with_boundary ? Py_BuildValue("(iLO)", s->gid, s->boundary, s->key)
-                            : Py_BuildValue("(iO)", s->gid, s->key);
+        if (shape == ROW_ENTRY)
+            row = Py_BuildValue("(iLO)", s->gid, s->boundary, s->key);
+        else if (shape == ROW_TRIPLE)
+            row = Py_BuildValue("(iOL)", s->gid, s->key, s->boundary);
+        else
+            row = Py_BuildValue("(iO)", s->gid, s->key);
         if (row == NULL) {
             Py_DECREF(out);
             return NULL;
@@ -176,13 +183,13 @@ rows(Ghost *g, int with_boundary)
 static PyObject *
 Ghost_entries(Ghost *g, PyObject *unused)
 {
-    return rows(g, 1);
+    return rows(g, ROW_ENTRY);
 }
 
 static PyObject *
 Ghost_iter(Ghost *g)
 {
-    PyObject *list = rows(g, 0), *it;
+    PyObject *list = rows(g, ROW_KEY), *it;
     if (list == NULL)
         return NULL;
     it = PyObject_GetIter(list);
@@ -194,22 +201,9 @@ Ghost_iter(Ghost *g)
 static PyObject *
 Ghost_reduce(Ghost *g, PyObject *unused)
 {
-    PyObject *state = PyList_New(g->size), *ret;
-    Py_ssize_t n = 0;
-    long long pos;
+    PyObject *state = rows(g, ROW_TRIPLE), *ret;
     if (state == NULL)
         return NULL;
-    for (pos = g->head; pos < g->tail && n < g->size; pos++) {
-        const ghost_slot *s = &SLOT(g, pos);
-        PyObject *row;
-        if (s->key == NULL)
-            continue;
-        if ((row = Py_BuildValue("(iOL)", s->gid, s->key, s->boundary)) == NULL) {
-            Py_DECREF(state);
-            return NULL;
-        }
-        PyList_SET_ITEM(state, n++, row);
-    }
     ret = Py_BuildValue("(O(nn)O)", Py_TYPE(g), g->num_groups, g->capacity, state);
     Py_DECREF(state);
     return ret;
