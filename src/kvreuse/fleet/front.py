@@ -42,7 +42,14 @@ from kvreuse.fleet.dispatch import Dispatcher, Member, NoReplica, Routed
 from kvreuse.fleet.forward import Delivery, Unreachable, open_upstream, read_answer, relay_stream
 from kvreuse.fleet.front_metrics import FrontMetrics
 from kvreuse.serve.body import DEFAULT_MAX_BODY_BYTES, Disconnected, decode_json, read_body
-from kvreuse.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse, render_chat
+from kvreuse.serve.protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    parse,
+    prompt_tokens,
+    render_chat,
+)
 from kvreuse.tokenizer import Tokenizer
 
 log = logging.getLogger("kvreuse.fleet")
@@ -75,7 +82,7 @@ def parse_request(raw: bytes, chat: bool, tokenizer: Tokenizer) -> FrontRequest:
     else:
         completion: CompletionRequest = parse(CompletionRequest, body)
         req = completion
-        tokens = _prompt_tokens(completion.prompt, tokenizer)
+        tokens = prompt_tokens(completion.prompt, tokenizer)
     asked = req.stream_options is not None and req.stream_options.include_usage
     strip = req.stream and not asked
     if strip:
@@ -84,20 +91,6 @@ def parse_request(raw: bytes, chat: bool, tokenizer: Tokenizer) -> FrontRequest:
         body["stream_options"]["include_usage"] = True
         raw = json.dumps(body).encode()
     return FrontRequest(raw, tokens, req.cache_salt, req.stream, strip)
-
-
-def _prompt_tokens(prompt: Any, tokenizer: Tokenizer) -> list[int]:
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise ApiError(
-                400,
-                "batched prompts are not supported; send one prompt per request",
-                param="prompt",
-            )
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
-    return list(prompt)
 
 
 def create_front(

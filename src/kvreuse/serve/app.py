@@ -42,7 +42,14 @@ from kvreuse.serve.lifecycle import Lifecycle
 from kvreuse.serve.loop import EngineLoop, EventSink, Unavailable
 from kvreuse.serve.metrics import new_registry, take_snapshot
 from kvreuse.serve.openapi import error_responses, install_openapi, request_body
-from kvreuse.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse, render_chat
+from kvreuse.serve.protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    parse,
+    prompt_tokens,
+    render_chat,
+)
 from kvreuse.serve.stream import GuardedStream, message, sse
 
 METRICS_ONLY = ("/metrics", "/health")  # what the separate metrics listener serves
@@ -248,7 +255,7 @@ def _build_completion(backend: Backend, raw: bytes) -> tuple[CompletionRequest, 
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
             check_prompt_length(backend, len(prompt))  # before any per-token work
     req: CompletionRequest = parse(CompletionRequest, body)
-    ids = _completion_prompt(backend, req.prompt)
+    ids = prompt_tokens(req.prompt, backend.tokenizer)
     return req, prepare(backend, req, ids, "cmpl", req.max_tokens)
 
 
@@ -258,20 +265,6 @@ def _build_chat(backend: Backend, raw: bytes) -> tuple[ChatRequest, Gen]:
     prompt = backend.tokenizer.encode(render_chat(req.messages))
     limit = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
     return req, prepare(backend, req, prompt, "chatcmpl", limit)
-
-
-def _completion_prompt(backend: Backend, prompt: Any) -> list[int]:
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise ApiError(
-                400,
-                "batched prompts are not supported; send one prompt per request",
-                param="prompt",
-            )
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return backend.tokenizer.encode(prompt)
-    return list(prompt)
 
 
 async def _respond(

@@ -9,9 +9,12 @@ turn of a conversation reuses the cache of the previous turn):
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+if TYPE_CHECKING:
+    from kvreuse.tokenizer import Tokenizer
 
 # torch.Generator.manual_seed accepts exactly this range (negative seeds are remapped)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -188,3 +191,19 @@ def render_chat(messages: list[ChatMessage]) -> str:
     out = [f"<|{m.role}|>\n{message_text(m, i)}\n" for i, m in enumerate(messages)]
     out.append("<|assistant|>\n")
     return "".join(out)
+
+
+def prompt_tokens(prompt: Any, tokenizer: Tokenizer) -> list[int]:
+    """A completion's `prompt` (already validated by `CompletionRequest`) as token ids: text is
+    encoded, a one-item batch unwrapped; a batch of several is a 400."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise ApiError(
+                400,
+                "batched prompts are not supported; send one prompt per request",
+                param="prompt",
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    return list(prompt)
