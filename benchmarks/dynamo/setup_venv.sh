@@ -19,14 +19,9 @@ venv=${VENV:-$root/.venv-dynamo}
 python=${PYTHON:-python3.11}
 dynamo_version=${DYNAMO_VERSION:-1.6.1}
 
-if ! command -v "$python" >/dev/null; then
-    echo "setup_venv.sh: $python not found; set PYTHON to a Python >= 3.10 interpreter" >&2
-    exit 2
-fi
-if [ ! -x "$venv/bin/python" ]; then
-    echo "creating $venv with $python"
-    "$python" -m venv "$venv"
-fi
+# shellcheck source=../make_venv.sh
+source "$here/../make_venv.sh"
+make_venv "$python" "$venv" "Python >= 3.10"
 
 echo "[1/2] ai-dynamo-runtime $dynamo_version (a Rust runtime with Python bindings; no GPU needed)"
 "$venv/bin/python" -m pip install --quiet "ai-dynamo-runtime==$dynamo_version"

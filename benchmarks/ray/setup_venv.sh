@@ -22,14 +22,9 @@ python=${PYTHON:-python3.11}
 ray_version=${RAY_VERSION:-2.60.0}
 extras=${EXTRAS:-server}
 
-if ! command -v "$python" >/dev/null; then
-    echo "setup_venv.sh: $python not found; set PYTHON to a Python >= 3.11 interpreter" >&2
-    exit 2
-fi
-if [ ! -x "$venv/bin/python" ]; then
-    echo "creating $venv with $python"
-    "$python" -m venv "$venv"
-fi
+# shellcheck source=../make_venv.sh
+source "$here/../make_venv.sh"
+make_venv "$python" "$venv" "Python >= 3.11"
 
 echo "[1/3] ray[serve] $ray_version"
 "$venv/bin/python" -m pip install --quiet "ray[serve]==$ray_version"

@@ -23,14 +23,9 @@ torch_spec=${TORCH_SPEC:-torch==2.13.0}
 vllm_version=${VLLM_VERSION:-0.33.0}
 constraints=$here/constraints.txt
 
-if ! command -v "$python" >/dev/null; then
-    echo "setup_venv.sh: $python not found; set PYTHON to a Python 3.11 interpreter" >&2
-    exit 2
-fi
-if [ ! -x "$venv/bin/python" ]; then
-    echo "creating $venv with $python"
-    "$python" -m venv "$venv"
-fi
+# shellcheck source=../make_venv.sh
+source "$here/../make_venv.sh"
+make_venv "$python" "$venv" "Python 3.11"
 # --no-warn-conflicts: vLLM's metadata lists its whole GPU stack, which is deliberately absent
 pip=("$venv/bin/python" -m pip install --quiet --no-warn-conflicts --constraint "$constraints")
 
