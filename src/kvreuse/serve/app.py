@@ -46,6 +46,7 @@ from kvreuse.serve.protocol import (
     ApiError,
     ChatRequest,
     CompletionRequest,
+    http_error,
     parse,
     prompt_tokens,
     render_chat,
@@ -194,16 +195,7 @@ def _install_errors(app: FastAPI) -> None:
         err = ApiError(503, str(exc), type="service_unavailable")
         return JSONResponse(err.body(), status_code=503)
 
-    @app.exception_handler(HTTPException)
-    async def _http_error(http: HttpRequest, exc: HTTPException) -> JSONResponse:
-        if exc.status_code == 404:
-            msg, code = f"no such endpoint: {http.method} {http.url.path}", "not_found"
-        elif exc.status_code == 405:
-            msg, code = f"{http.method} is not allowed on {http.url.path}", "method_not_allowed"
-        else:
-            msg, code = str(exc.detail), None
-        err = ApiError(exc.status_code, msg, code=code)
-        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+    app.exception_handler(HTTPException)(http_error)
 
 
 class _PortSplit:

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HttpRequest
 
 if TYPE_CHECKING:
     from kvreuse.tokenizer import Tokenizer
@@ -207,3 +210,16 @@ def prompt_tokens(prompt: Any, tokenizer: Tokenizer) -> list[int]:
     if isinstance(prompt, str):
         return tokenizer.encode(prompt)
     return list(prompt)
+
+
+async def http_error(http: HttpRequest, exc: HTTPException) -> JSONResponse:
+    """The exception handler for Starlette's own HTTP errors (an unknown path, a wrong method),
+    as OpenAI's error body; the server and the fleet front both install it."""
+    if exc.status_code == 404:
+        msg, code = f"no such endpoint: {http.method} {http.url.path}", "not_found"
+    elif exc.status_code == 405:
+        msg, code = f"{http.method} is not allowed on {http.url.path}", "method_not_allowed"
+    else:
+        msg, code = str(exc.detail), None
+    err = ApiError(exc.status_code, msg, code=code)
+    return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
