@@ -36,7 +36,7 @@ from kvreuse.sim.run import (
     simulate,
     without_deferral,
 )
-from kvreuse.sim.workload import WorkloadError, WorkloadRequest, load_workload
+from kvreuse.sim.workload import WorkloadError, WorkloadRequest, read_workload
 from kvreuse.sim.workload_cli import int_range, number
 
 DEFAULT_COST = CostModel()
@@ -131,16 +131,7 @@ def read_inputs(args: argparse.Namespace) -> tuple[Deployment, list[WorkloadRequ
         if len(args.files) != 2:
             raise GeometryError("give GEOMETRY.toml and WORKLOAD.jsonl (or --geometry NAME)")
         geo, wl_path = resolve(Path(args.files[0])), Path(args.files[1])
-    try:
-        with wl_path.open(encoding="utf-8") as lines:  # read line by line, never whole
-            workload = load_workload(lines)
-    except (OSError, UnicodeDecodeError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise WorkloadError(f"{wl_path}: cannot read the workload file ({why})") from None
-    except WorkloadError as exc:
-        raise WorkloadError(f"{wl_path}: {exc}") from None
-    if not workload:
-        raise WorkloadError(f"{wl_path}: no requests (write one with kvreuse workload KIND)")
+    workload = read_workload(wl_path)
     return with_pool(geo, args.num_blocks, args.capacity_tokens), workload
 
 

@@ -32,7 +32,7 @@ from kvreuse.sim.sweep import (
     run_cases,
     run_cases_on_ray,
 )
-from kvreuse.sim.workload import WorkloadError, WorkloadRequest, load_workload
+from kvreuse.sim.workload import WorkloadError, read_workload
 from kvreuse.sim.workload_cli import int_range
 
 DEFAULT_CAPACITIES = "1M,3M,10M,50M,inf"
@@ -109,20 +109,6 @@ def _geometries(specs: list[str]) -> list[tuple[str, Deployment]]:
     return out
 
 
-def _load(path: Path) -> list[WorkloadRequest]:
-    try:
-        with path.open(encoding="utf-8") as lines:
-            workload = load_workload(lines)
-    except (OSError, UnicodeDecodeError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise WorkloadError(f"{path}: cannot read the workload file ({why})") from None
-    except WorkloadError as exc:
-        raise WorkloadError(f"{path}: {exc}") from None
-    if not workload:
-        raise WorkloadError(f"{path}: no requests (write one with kvreuse workload KIND)")
-    return workload
-
-
 def _check_options(args: argparse.Namespace) -> None:
     """Everything that can be found out before a case runs."""
     if not 0 <= args.draft_accept_rate <= 1:
@@ -144,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         capacities = parse_capacities(args.capacity)
         _check_options(args)
         geometries = _geometries(args.geometry)
-        workload = _load(args.workload)
+        workload = read_workload(args.workload)
         cases = cases_for(geometries, capacities, workload)
     except (GeometryError, ConfigError, WorkloadError, OSError, ValueError) as exc:
         return _fail(exc)

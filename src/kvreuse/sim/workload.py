@@ -32,6 +32,7 @@ import random
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvreuse.core import TOKEN_TYPECODE
@@ -315,3 +316,19 @@ def load_workload(lines: Iterable[str]) -> list[WorkloadRequest]:
         seen.add(req.request_id)
         out.append(req)
     return out
+
+
+def read_workload(path: Path) -> list[WorkloadRequest]:
+    """`load_workload` of a JSONL file, read line by line (never whole); every failure, an
+    unreadable or empty file included, is a WorkloadError naming the file."""
+    try:
+        with path.open(encoding="utf-8") as lines:
+            workload = load_workload(lines)
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise WorkloadError(f"{path}: cannot read the workload file ({why})") from None
+    except WorkloadError as exc:
+        raise WorkloadError(f"{path}: {exc}") from None
+    if not workload:
+        raise WorkloadError(f"{path}: no requests (write one with kvreuse workload KIND)")
+    return workload
