@@ -9,13 +9,21 @@ chance that some request meets such a pair is about n / 2^64 per lookup (10^-13 
 entries), which a router can accept, and a replica's own lookup would still be exact.
 
 The mirror knows no block ids: the value of an entry is its boundary (tokens of the prefix it
-names) when the parent chain told it, else -1, and that is what `slots` and `copy_src` of a
-mirror lookup hold. It has no ghost record either: `in_ghost` remembers the last removals of
-each group (bounded like the core's ghost), which only refines the reason code of a miss.
+names), and that is what `slots` and `copy_src` of a mirror lookup hold. A `BlockStored` names
+only its parent, so the boundary of its first block is the parent's plus one unit. The parent
+is almost always resident in some group (the request that stored the block holds the page
+before it), and then its boundary is read from that group's entries: the mirror remembers
+exactly what the replica holds, however long it has held it, and nothing beside it but a
+bounded memo of recently removed boundaries (for a parent whose page left every group before
+its child was stored: a sliding window's or a chunk's old page). A parent known nowhere gives
+-1 and is counted (`unknown_parents`). There is no ghost record either: `in_ghost` remembers
+the last removals of each group (bounded like the core's ghost), which only refines the reason
+code of a miss. Bounded memos evict in insertion order in O(1) (`OrderedDict`), at any size.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 
 from kvreuse.core import Geometry
@@ -46,18 +54,31 @@ class TruncatedIndex(Mapping[bytes, int]):
         return len(self.entries)
 
 
-class ReplicaMirror:
-    """What one replica holds, per group; satisfies `kvreuse.core.IndexView`."""
+class MirrorError(ValueError):
+    """A batch the mirror cannot place in its geometry (checked before anything is applied)."""
 
-    def __init__(self, geometry: Geometry, default_group: int = 0) -> None:
+
+class ReplicaMirror:
+    """What one replica holds, per group; satisfies `kvreuse.core.IndexView`.
+
+    `removed_memo`: how many boundaries of removed entries to remember for parents that left
+    every group (default: the geometry's ghost capacity, at least 1,024)."""
+
+    def __init__(
+        self, geometry: Geometry, default_group: int = 0, *, removed_memo: int | None = None
+    ) -> None:
         self.geometry = geometry
         self.default_group = default_group  # where events without `group_idx` go (legacy)
         self._index = [TruncatedIndex() for _ in geometry.groups]
-        self._ghost: list[dict[int, None]] = [{} for _ in geometry.groups]
-        self._boundaries: dict[int, int] = {}  # hash64 → boundary, learned from parent links
-        keys = geometry.num_blocks * geometry.max_keys_per_block
-        self._boundaries_capacity = max(1 << 16, 2 * keys)
+        self._ghost: list[OrderedDict[int, None]] = [OrderedDict() for _ in geometry.groups]
+        self._removed: OrderedDict[int, int] = OrderedDict()  # hash64 → boundary, left all
+        if removed_memo is None:
+            removed_memo = max(1024, geometry.ghost_capacity)
+        if removed_memo < 1:
+            raise ValueError(f"removed_memo must be at least 1, got {removed_memo}")
+        self._removed_capacity = removed_memo
         self.unknown_groups = 0
+        self.unknown_parents = 0
 
     @property
     def index(self) -> list[TruncatedIndex]:
@@ -75,7 +96,25 @@ class ReplicaMirror:
             idx.entries.clear()
         for ghost in self._ghost:
             ghost.clear()
-        self._boundaries.clear()
+        self._removed.clear()
+
+    def check(self, events: list[WireEvent]) -> None:
+        """MirrorError when a batch does not fit this geometry: a block of another size than
+        the hash unit, or token ids that are not one unit per block. A subscriber checks the
+        whole batch before applying any of it, so a bad batch changes nothing."""
+        u = self.geometry.hash_unit
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                if ev.block_size != u:
+                    raise MirrorError(
+                        f"BlockStored of block_size {ev.block_size}; this geometry's hash unit "
+                        f"is {u}"
+                    )
+                if len(ev.token_ids) != u * len(ev.block_hashes):
+                    raise MirrorError(
+                        f"BlockStored of {len(ev.block_hashes)} block(s) carries "
+                        f"{len(ev.token_ids)} token ids, not {u} per block"
+                    )
 
     def apply(self, events: list[WireEvent]) -> None:
         for ev in events:
@@ -83,12 +122,8 @@ class ReplicaMirror:
                 self._stored(ev)
             elif isinstance(ev, BlockRemoved):
                 gid = self._group(ev.group_idx)
-                if gid is None:
-                    continue
-                entries, ghost = self._index[gid].entries, self._ghost[gid]
-                for h in ev.block_hashes:
-                    if entries.pop(h, None) is not None:
-                        self._remember_removal(ghost, h)
+                if gid is not None:
+                    self._removed_from(gid, ev.block_hashes)
             elif isinstance(ev, AllBlocksCleared):
                 self.clear()
 
@@ -99,26 +134,47 @@ class ReplicaMirror:
             return None
         return gid
 
+    def boundary(self, key: int) -> int:
+        """The boundary of a chain hash the replica holds in any group, or removed lately;
+        -1 when unknown."""
+        for idx in self._index:
+            at = idx.entries.get(key, -1)
+            if at >= 0:
+                return at
+        return self._removed.get(key, -1)
+
     def _stored(self, ev: BlockStored) -> None:
         gid = self._group(ev.group_idx)
         if gid is None:
             return
         parent = ev.parent_block_hash
-        at = 0 if parent is None else self._boundaries.get(parent, -1)
+        at = 0 if parent is None else self.boundary(parent)
+        if at < 0:
+            self.unknown_parents += 1
         entries, ghost = self._index[gid].entries, self._ghost[gid]
+        size = ev.block_size
         for h in ev.block_hashes:
-            at = at + ev.block_size if at >= 0 else -1
-            if at >= 0:
-                if len(self._boundaries) >= self._boundaries_capacity:
-                    del self._boundaries[next(iter(self._boundaries))]
-                self._boundaries[h] = at
+            at = at + size if at >= 0 else -1
             entries[h] = at
             ghost.pop(h, None)
 
-    def _remember_removal(self, ghost: dict[int, None], h: int) -> None:
-        if len(ghost) >= max(1, self.geometry.ghost_capacity):
-            del ghost[next(iter(ghost))]
-        ghost[h] = None
+    def _removed_from(self, gid: int, keys: list[int]) -> None:
+        entries, ghost = self._index[gid].entries, self._ghost[gid]
+        ghost_capacity = max(1, self.geometry.ghost_capacity)
+        removed, capacity = self._removed, self._removed_capacity
+        for h in keys:
+            at = entries.pop(h, None)
+            if at is None:
+                continue
+            ghost[h] = None
+            ghost.move_to_end(h)
+            if len(ghost) > ghost_capacity:
+                ghost.popitem(last=False)
+            if at >= 0:
+                removed[h] = at
+                removed.move_to_end(h)
+                if len(removed) > capacity:
+                    removed.popitem(last=False)
 
 
 class HashChain:
