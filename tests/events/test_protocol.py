@@ -11,6 +11,7 @@ from replica import GEOMETRIES, Replica, shared_prefix, tcp
 
 from kvreuse.core import KVCacheManager, Request
 from kvreuse.events import Converter, hash64
+from kvreuse.events.replay import ReplayEnd, decode_end
 from kvreuse.events.wire import BlockStored
 
 CTX = zmq.Context.instance()
@@ -123,7 +124,10 @@ def test_replay_answers_from_the_start_seq_then_the_end_marker() -> None:
                 assert dealer.poll(10_000)
                 frames = dealer.recv_multipart()
                 if frames[2] == (-1).to_bytes(8, "big", signed=True):
-                    assert frames == [b"", b"", (-1).to_bytes(8, "big", signed=True), b""]
+                    assert frames[:3] == [b"", b"", (-1).to_bytes(8, "big", signed=True)]
+                    # the note names this publisher and its next sequence number
+                    end = decode_end(frames[3])
+                    assert end == ReplayEnd(replica.pub.instance_id, sent)
                     break
                 assert len(frames) == 4 and frames[:2] == [b"", b""]
                 got.append(int.from_bytes(frames[2], "big"))

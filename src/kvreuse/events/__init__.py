@@ -5,7 +5,9 @@
     routable     the attention group as an attention-only router should see it
     publisher    PUB stream, ROUTER replay, bounded buffer and queue, one background thread
     mirror       a replica's entries per group from its events; an `IndexView` for the core
-    subscriber   follows several replicas, repairs gaps through replay, keeps their mirrors
+    stream       one replica's stream: what is applied, checks through replay, restarts
+    subscriber   follows several replicas' streams (sockets, poll) and keeps their mirrors
+    replay       the replay protocol, the publisher's bounded answers, the end marker's note
     options      `kvreuse serve`'s --kv-events-* flags and their checks
     common       mode names and the endpoint check they share (no pyzmq, no msgspec)
 
@@ -25,7 +27,8 @@ if TYPE_CHECKING:
     from kvreuse.events.convert import Converter, attention_group
     from kvreuse.events.mirror import HashChain, ReplicaMirror, TruncatedIndex
     from kvreuse.events.publisher import Publisher, is_bind_endpoint
-    from kvreuse.events.subscriber import ReplicaStream, Subscriber
+    from kvreuse.events.stream import ReplicaStream
+    from kvreuse.events.subscriber import Subscriber
     from kvreuse.events.wire import EventBatch, decode_batch, encode_batch, hash64
 
 _HOME = {
@@ -36,7 +39,7 @@ _HOME = {
     "TruncatedIndex": "mirror",
     "Publisher": "publisher",
     "is_bind_endpoint": "publisher",
-    "ReplicaStream": "subscriber",
+    "ReplicaStream": "stream",
     "Subscriber": "subscriber",
     "EventBatch": "wire",
     "decode_batch": "wire",

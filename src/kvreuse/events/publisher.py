@@ -2,9 +2,9 @@
 
 Every batch goes out on a PUB socket as three frames `[topic, seq, payload]`: `seq` is an
 8-byte big-endian counter starting at 0, `payload` the msgpack of `[timestamp, events,
-data_parallel_rank]`. The last `buffer_steps` batches stay in memory for a ROUTER replay socket:
-a request `[client, b"", start_seq]` gets every buffered batch from `start_seq` on as
-`[client, b"", topic, seq, payload]`, then the end marker `[client, b"", b"", -1, b""]`.
+data_parallel_rank]`. The last `buffer_steps` batches stay in memory for a ROUTER replay socket
+(`kvreuse.events.replay`: vLLM's request and answer, bounded per client, and an end marker that
+names this publisher's incarnation, `instance_id`, and its next sequence number).
 
 `publish(events)` only enqueues the core's events into a queue of at most `max_queue_size`
 batches; one background thread converts, encodes, sends and answers replays, so the step loop
@@ -20,6 +20,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Sequence
 
@@ -28,13 +29,20 @@ import zmq
 from kvreuse.core import Event, Geometry
 from kvreuse.events.common import MODES, Mode, endpoint_problem
 from kvreuse.events.convert import Converter, attention_group
+from kvreuse.events.replay import (
+    DEFAULT_DEADLINE_S,
+    DEFAULT_HWM,
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_CLIENTS,
+    ReplayServer,
+)
 from kvreuse.events.routable import RoutableFilter
 from kvreuse.events.wire import EventBatch, LegacyEventBatch, encode_batch, to_legacy
 
 log = logging.getLogger(__name__)
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-_POLL_S = 0.02
+_POLL_S = 0.02  # the thread's wait for a batch when no replay is in progress
+_BUSY_POLL_S = 0.001  # … and while one is: a client's pipe may take more soon
 
 
 def is_bind_endpoint(endpoint: str) -> bool:
@@ -55,16 +63,14 @@ def offset_endpoint(endpoint: str | None, data_parallel_rank: int) -> str | None
     return endpoint if port == "0" else f"{base}:{int(port) + data_parallel_rank}"
 
 
-def _check_options(buffer_steps: int, hwm: int, max_queue_size: int, mode: str) -> None:
-    for name, value in (
-        ("buffer_steps", buffer_steps),
-        ("hwm", hwm),
-        ("max_queue_size", max_queue_size),
-    ):
+def _check_options(mode: str, deadline_s: float, **counts: int) -> None:
+    for name, value in counts.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if not isinstance(deadline_s, int | float) or not 0 < deadline_s <= 3600:
+        raise ValueError(f"replay_deadline_s must be seconds in (0, 3600], got {deadline_s!r}")
 
 
 class Publisher:
@@ -82,8 +88,22 @@ class Publisher:
         topic: str = "",
         mode: Mode = "groups",
         data_parallel_rank: int = 0,
+        instance_id: str | None = None,
+        replay_max_clients: int = DEFAULT_MAX_CLIENTS,
+        replay_max_bytes: int = DEFAULT_MAX_BYTES,
+        replay_deadline_s: float = DEFAULT_DEADLINE_S,
+        replay_hwm: int = DEFAULT_HWM,
     ) -> None:
-        _check_options(buffer_steps, hwm, max_queue_size, mode)
+        _check_options(
+            mode,
+            replay_deadline_s,
+            buffer_steps=buffer_steps,
+            hwm=hwm,
+            max_queue_size=max_queue_size,
+            replay_max_clients=replay_max_clients,
+            replay_max_bytes=replay_max_bytes,
+            replay_hwm=replay_hwm,
+        )
         if not isinstance(data_parallel_rank, int) or data_parallel_rank < 0:
             raise ValueError(f"data_parallel_rank must be an int ≥ 0, got {data_parallel_rank!r}")
         for given in (endpoint, replay_endpoint):
@@ -94,6 +114,9 @@ class Publisher:
         replay_endpoint = offset_endpoint(replay_endpoint, data_parallel_rank)
         self.mode = mode
         self.topic = topic.encode()
+        # which incarnation of the replica this stream is: a subscriber that sees another one
+        # answer its replay knows the replica restarted
+        self.instance_id = instance_id or uuid.uuid4().hex
         self.data_parallel_rank = data_parallel_rank
         self.dropped_batches = 0
         self.send_ns = 0  # the thread's CPU time converting, encoding, sending (benchmarks)
@@ -108,7 +131,8 @@ class Publisher:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
-        self._replay: zmq.Socket[bytes] | None = None
+        self._replay_sock: zmq.Socket[bytes] | None = None
+        self._replay: ReplayServer | None = None
         try:
             if is_bind_endpoint(endpoint):
                 self._pub.bind(endpoint)
@@ -116,11 +140,19 @@ class Publisher:
             else:
                 self._pub.connect(endpoint)
             if replay_endpoint is not None:
-                self._replay = self._ctx.socket(zmq.ROUTER)
-                # room for a whole replay and its end marker, as vLLM sizes it
-                self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
-                self._replay.bind(replay_endpoint)
-                replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+                sock = self._replay_sock = self._ctx.socket(zmq.ROUTER)
+                sock.setsockopt(zmq.SNDHWM, replay_hwm)
+                sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full pipe says so: not dropped
+                sock.bind(replay_endpoint)
+                replay_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+                self._replay = ReplayServer(
+                    sock,
+                    self.topic,
+                    self.instance_id,
+                    max_clients=replay_max_clients,
+                    max_bytes=replay_max_bytes,
+                    deadline_s=replay_deadline_s,
+                )
         except zmq.ZMQError as exc:
             self._close_sockets()
             where = f"{endpoint}" if replay_endpoint is None else f"{endpoint} / {replay_endpoint}"
@@ -176,15 +208,18 @@ class Publisher:
 
     def _close_sockets(self) -> None:
         self._pub.close(linger=0)
-        if self._replay is not None:
-            self._replay.close(linger=0)
+        if self._replay_sock is not None:
+            self._replay_sock.close(linger=0)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            if self._replay is not None and self._replay.poll(0):
-                self._serve_replay()
+            replay = self._replay
+            if replay is not None:
+                replay.serve(self.buffer, self._next_seq)
             try:
-                events = self._queue.get(timeout=_POLL_S)
+                events = self._queue.get(
+                    timeout=_BUSY_POLL_S if replay is not None and replay.busy else _POLL_S
+                )
             except queue.Empty:
                 continue
             t0 = time.thread_time_ns()
@@ -211,18 +246,3 @@ class Publisher:
         self._next_seq += 1
         self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload), copy=False)
         self.buffer.append((seq, payload))
-
-    def _serve_replay(self) -> None:
-        assert self._replay is not None
-        frames = self._replay.recv_multipart()
-        if len(frames) != 3 or len(frames[2]) != 8:
-            log.warning("ignored a malformed replay request of %d frames", len(frames))
-            return
-        client = frames[0]
-        start = int.from_bytes(frames[2], "big")
-        for seq, payload in list(self.buffer):
-            if seq >= start:
-                self._replay.send_multipart(
-                    (client, b"", self.topic, seq.to_bytes(8, "big"), payload), copy=False
-                )
-        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))

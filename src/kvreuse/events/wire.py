@@ -160,10 +160,12 @@ def decode_batch(payload: bytes) -> EventBatch:
     """A batch in the map format, or in the legacy format (converted to the map structs)."""
     try:
         return _DECODER.decode(payload)
+    except RecursionError:  # nesting past the interpreter's stack (extra keys are free-form)
+        raise PayloadError("not a KV event batch: nested too deeply") from None
     except msgspec.DecodeError as map_error:
         try:
             legacy = _LEGACY_DECODER.decode(payload)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             raise PayloadError(f"not a KV event batch: {map_error}") from None
     return EventBatch(
         legacy.ts, [_from_legacy(e) for e in legacy.events], legacy.data_parallel_rank
