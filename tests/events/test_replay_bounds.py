@@ -1,7 +1,7 @@
 """Twenty replay clients that never read cost a publisher a bounded, small amount of memory.
 
 The publisher runs in its own process (`replay_hog.py`) with 10,000 buffered batches of 4 KiB,
-the default bounds (4 answers at a time, 1,024 messages per client's pipe, 16 MiB and 5 s per
+the default bounds (4 answers at a time, 256 messages per client's pipe, 16 MiB and 5 s per
 answer), and reports its resident memory. Copies of the buffer per client (what a replay used to
 cost: about 40 MiB each here) would take it past a gigabyte; the documented bound is 32 MiB.
 """

@@ -12,9 +12,9 @@ Bounds, so a replay client cannot cost the publisher unbounded memory or time: a
 `max_clients` answers in progress (more are told `busy` at once, with no batches), each at most
 `max_bytes` of payload (the client asks again from where it got to) and `deadline_s` seconds;
 the ROUTER holds at most `hwm` messages per client (a client that stops reading is found when
-its pipe is full, and its answer is dropped at the deadline); payloads are sent as references to
-the replay buffer's own frames, not copies. So a client that never reads pins at most `hwm`
-messages of the buffer, and its answer ends within `deadline_s`.
+its pipe is full, and its answer is dropped at the deadline). So a connected client that never
+reads pins at most `hwm` messages (copies of buffered batches), and its answer ends within
+`deadline_s`; clients told busy pin nothing.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 DEFAULT_MAX_CLIENTS = 4
 DEFAULT_MAX_BYTES = 16 << 20
 DEFAULT_DEADLINE_S = 5.0
-DEFAULT_HWM = 1024
+DEFAULT_HWM = 256
 _PUMP_MESSAGES = 256  # messages one answer sends per turn of the publisher's loop
 
 
@@ -133,10 +133,7 @@ class ReplayServer:
             payload = buffer[seq - first][1]
             frames = (answer.client, b"", self.topic, seq.to_bytes(8, "big"))
             try:
-                # a reference to the buffer's bytes (pyzmq copies frames under 64 KiB otherwise)
-                self.sock.send_multipart(
-                    (*frames, zmq.Frame(payload, copy=False)), flags=zmq.NOBLOCK, copy=False
-                )
+                self.sock.send_multipart((*frames, payload), flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return False  # its pipe is full: try again on a later turn
             except zmq.ZMQError:
