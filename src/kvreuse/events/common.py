@@ -7,6 +7,13 @@ from typing import Literal
 Mode = Literal["groups", "routable", "legacy"]
 MODES: tuple[str, ...] = ("groups", "routable", "legacy")
 DEFAULT_BUFFER_STEPS = 10_000
+# The response header (and /health field) by which a `kvreuse serve` replica names the
+# incarnation of its KV event stream (`Publisher.instance_id`): a router that sees another one
+# than it follows knows the replica restarted.
+INSTANCE_HEADER = "x-kvreuse-kv-events-instance"
+# `kvreuse fleet` hands each replica its CURVE secret through this variable (never on a command
+# line, which every user of the machine can read); `kvreuse serve` reads it when no key is given
+SECRET_ENV = "KVREUSE_KV_EVENTS_CURVE_SECRET"
 
 
 def endpoint_problem(endpoint: str) -> str | None:

@@ -9,9 +9,10 @@ needs neither pyzmq nor msgspec, so the command line can offer the flags without
 from __future__ import annotations
 
 import argparse
+import os
 from typing import TYPE_CHECKING
 
-from kvreuse.events.common import DEFAULT_BUFFER_STEPS, MODES, endpoint_problem
+from kvreuse.events.common import DEFAULT_BUFFER_STEPS, MODES, SECRET_ENV, endpoint_problem
 
 if TYPE_CHECKING:
     from kvreuse.core import Geometry
@@ -47,9 +48,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"batches kept for replay (default {DEFAULT_BUFFER_STEPS:,})",
     )
+    g.add_argument(
+        "--kv-events-curve-secret-key",
+        metavar="KEY|FILE",
+        help="authenticate and encrypt both sockets with ZeroMQ CURVE: a 40-character Z85 "
+        f"secret key or a zmq certificate file (default: ${SECRET_ENV} when set, else none)",
+    )
 
 
-_NEEDS_ENDPOINT = ("replay_endpoint", "mode", "topic", "buffer_steps")
+_NEEDS_ENDPOINT = ("replay_endpoint", "mode", "topic", "buffer_steps", "curve_secret_key")
 
 
 def option_error(args: argparse.Namespace) -> str | None:
@@ -80,6 +87,20 @@ def option_error(args: argparse.Namespace) -> str | None:
     return None
 
 
+def curve_secret(args: argparse.Namespace) -> str | None:
+    """The CURVE secret key asked for (the flag, else the environment), or None; ValueError
+    naming what is wrong with it."""
+    given = args.kv_events_curve_secret_key or os.environ.get(SECRET_ENV) or None
+    if given is None:
+        return None
+    from kvreuse.events.curve import read_key
+
+    try:
+        return read_key(given)
+    except ValueError as exc:
+        raise ValueError(f"--kv-events-curve-secret-key: {exc}") from None
+
+
 def open_publisher(args: argparse.Namespace, geometry: Geometry) -> Publisher | None:
     """The publisher the options ask for (None without `--kv-events-endpoint`); ValueError when
     an endpoint cannot be opened or the mode does not fit the geometry."""
@@ -99,6 +120,7 @@ def open_publisher(args: argparse.Namespace, geometry: Geometry) -> Publisher | 
         buffer_steps=args.kv_events_buffer_steps or DEFAULT_BUFFER_STEPS,
         topic=args.kv_events_topic or "",
         mode=args.kv_events_mode or "groups",
+        curve_secret_key=curve_secret(args),
     )
 
 
@@ -107,4 +129,6 @@ def describe(publisher: Publisher) -> str:
     line = f"KV events ({publisher.mode}) on {publisher.endpoint}"
     if publisher.replay_endpoint is not None:
         line += f", replay on {publisher.replay_endpoint}"
+    if publisher.curve_public_key is not None:  # on a line of its own: routers copy it
+        line += f"\nkvreuse serve: KV events CURVE public key {publisher.curve_public_key}"
     return line

@@ -29,6 +29,8 @@ import zmq
 from kvreuse.core import Event, Geometry
 from kvreuse.events.common import MODES, Mode, endpoint_problem
 from kvreuse.events.convert import Converter, attention_group
+from kvreuse.events.curve import public_of
+from kvreuse.events.curve import serve as curve_serve
 from kvreuse.events.replay import (
     DEFAULT_DEADLINE_S,
     DEFAULT_HWM,
@@ -93,6 +95,7 @@ class Publisher:
         replay_max_bytes: int = DEFAULT_MAX_BYTES,
         replay_deadline_s: float = DEFAULT_DEADLINE_S,
         replay_hwm: int = DEFAULT_HWM,
+        curve_secret_key: str | None = None,
     ) -> None:
         _check_options(
             mode,
@@ -131,6 +134,11 @@ class Publisher:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
+        # with a secret key both sockets are CURVE servers: subscribers that know the public
+        # key can tell this publisher from anyone else on the port (kvreuse.events.curve)
+        self.curve_public_key = None if curve_secret_key is None else public_of(curve_secret_key)
+        if curve_secret_key is not None:
+            curve_serve(self._pub, curve_secret_key)
         self._replay_sock: zmq.Socket[bytes] | None = None
         self._replay: ReplayServer | None = None
         try:
@@ -143,6 +151,8 @@ class Publisher:
                 sock = self._replay_sock = self._ctx.socket(zmq.ROUTER)
                 sock.setsockopt(zmq.SNDHWM, replay_hwm)
                 sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full pipe says so: not dropped
+                if curve_secret_key is not None:
+                    curve_serve(sock, curve_secret_key)
                 sock.bind(replay_endpoint)
                 replay_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
                 self._replay = ReplayServer(

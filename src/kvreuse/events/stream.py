@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from kvreuse.events.curve import KeyPair, dial
 from kvreuse.events.mirror import MirrorError, ReplicaMirror
 from kvreuse.events.replay import ReplayEnd, decode_end
 from kvreuse.events.wire import AllBlocksCleared, PayloadError, decode_batch
@@ -94,6 +95,7 @@ class ReplicaStream:
     held: OrderedDict[tuple[int, bytes], None] = field(default_factory=OrderedDict, repr=False)
     paused_until: float = 0.0  # poll() leaves a replay that did not answer alone until then
     check_from: int | None = None  # the earliest applied batch a live one contradicted
+    curve: tuple[str, KeyPair] | None = None  # the publisher's public key, our client pair
 
     @property
     def exact(self) -> bool:
@@ -284,6 +286,8 @@ class ReplicaStream:
             return
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        if self.curve is not None:
+            dial(sock, *self.curve)
         try:
             sock.connect(where)
         except zmq.ZMQError as exc:

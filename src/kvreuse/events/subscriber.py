@@ -17,6 +17,7 @@ import time
 import zmq
 
 from kvreuse.core import Geometry
+from kvreuse.events import curve
 from kvreuse.events.convert import attention_group
 from kvreuse.events.mirror import ReplicaMirror
 from kvreuse.events.stream import MAX_MESSAGE_BYTES, ReplicaStream
@@ -35,6 +36,7 @@ class Subscriber:
         self._streams: dict[str, ReplicaStream] = {}
         self._poller = zmq.Poller()
         self._by_socket: dict[zmq.Socket[bytes], ReplicaStream] = {}
+        self._keys: curve.KeyPair | None = None  # this subscriber's CURVE client pair
 
     def add_replica(
         self,
@@ -45,12 +47,15 @@ class Subscriber:
         replay_endpoint: str | None = None,
         topic: str = "",
         bind: bool | None = None,
+        curve_public_key: str | None = None,
     ) -> ReplicaMirror:
         """Follow a replica's stream.
 
         By default a wildcard `endpoint` (`tcp://*:5557`) binds, for a replica whose publisher
         connects to a specific address, and any other connects (ipc and inproc publishers
         bind, as in vLLM); `bind` overrides it. The replay endpoint always connects.
+        `curve_public_key`: the replica publisher's CURVE public key; then only that publisher
+        can reach these sockets (`kvreuse.events.curve`).
         """
         if name in self._streams:
             raise ValueError(f"replica {name!r} is already followed")
@@ -58,6 +63,10 @@ class Subscriber:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        own = None
+        if curve_public_key is not None:
+            own = self._curve_keys()
+            curve.dial(sub, curve_public_key, own)
         try:
             if bind if bind is not None else "*" in endpoint or "::" in endpoint:
                 sub.bind(endpoint)
@@ -67,6 +76,8 @@ class Subscriber:
             sub.close(linger=0)
             raise ValueError(f"cannot follow replica {name!r}: {exc}") from None
         stream = ReplicaStream(name, mirror, sub, None, replay_timeout=self.replay_timeout)
+        if curve_public_key is not None and own is not None:
+            stream.curve = (curve_public_key, own)
         if replay_endpoint is not None:
             try:
                 stream.replace_replay(replay_endpoint)
@@ -77,6 +88,11 @@ class Subscriber:
         self._by_socket[sub] = stream
         self._poller.register(sub, zmq.POLLIN)
         return mirror
+
+    def _curve_keys(self) -> curve.KeyPair:
+        if self._keys is None:
+            self._keys = curve.generate()
+        return self._keys
 
     def set_replay_endpoint(self, name: str, replay_endpoint: str) -> None:
         """Connect (or reconnect) a followed replica's replay socket: a replica started by the
@@ -137,6 +153,13 @@ class Subscriber:
         stream = self.stream(name)
         if stream.instance != instance:
             stream.suspect = True
+
+    def recheck(self, name: str) -> None:
+        """Check the replica's stream through its replay at the next poll (a replica that was
+        unreachable may have restarted meanwhile)."""
+        stream = self.stream(name)
+        if stream.replay is not None:
+            stream.suspect, stream.paused_until = True, 0.0
 
     def close(self) -> None:
         for stream in self._streams.values():

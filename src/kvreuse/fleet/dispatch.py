@@ -11,6 +11,13 @@ client (kvreuse.serve.loop). Before routing, the front applies what has arrived 
 replica that finished a request since the last decision, asks its replay socket for anything
 newer (`Subscriber.catch_up`), so the mirror includes the finished requests' entries.
 
+Trust: a decision records whether the replica's mirror was exact and which incarnation of the
+replica's stream it followed (`Routed.exact`, `Routed.instance`). A kvreuse replica names its
+incarnation in every response; `confirm` then says whether the prediction was made on the
+stream of the very process that answered (a replica restarted between two health checks is
+found by its first answer), and a replica that names another incarnation has its mirror rebuilt
+at the next decision.
+
 Load, as the policies read it: the prompt tokens of the requests in flight on the replica (routed,
 not yet answered) and their number. A replica that is down is never chosen: if the policy picks
 one, the request goes to the live replica the policy predicted most for, then the least loaded.
@@ -58,11 +65,14 @@ class Member:
 @dataclass(frozen=True)
 class Routed:
     """Where a request goes: the member, and the policy's decision (None when the request could
-    not be hashed: it then goes to the least loaded replica, which answers it)."""
+    not be hashed: it then goes to the least loaded replica, which answers it); whether the
+    member's mirror was exact when it was decided, and the stream incarnation it followed."""
 
     member: Member
     decision: Decision | None
     num_tokens: int
+    exact: bool = False
+    instance: str | None = None
 
     @property
     def predicted(self) -> int | None:
@@ -132,17 +142,29 @@ class Dispatcher:
             member.up, member.why_down = False, why
 
     def revive(self, member: Member) -> None:
-        """A replica that was down answers again: follow its events from scratch (a restarted
-        replica numbers its batches from 0 again and holds nothing)."""
+        """A replica that was down answers again: its stream is checked through its replay
+        before the next decision (a restarted replica has its mirror rebuilt from there). The
+        sockets stay as they are: a bound one keeps its port, a connected one reconnects."""
         with self._lock:
-            member.subscriber.close()
-            mirror = self._subscribe(member)
-            self.router.replace_mirror(member.index, mirror)
-            replay = member.replay_endpoint
-        if replay is not None:
-            self.set_replay(member, replay)
+            member.subscriber.recheck(member.name)
+            member.catch_up_paused_until = 0.0
         with self._loads:
             member.up, member.why_down = True, ""
+
+    def observe(self, member: Member, instance: str | None) -> None:
+        """The replica named its stream's incarnation (a health check, a response): another one
+        than the mirror follows means a restart, which the next decision's sync repairs."""
+        if instance:
+            with self._lock:
+                member.subscriber.expect_instance(member.name, instance)
+
+    def confirm(self, routed: Routed, instance: str | None) -> bool:
+        """Whether `routed`'s prediction came from an exact mirror of the process that answered
+        (`instance`: the incarnation its response named, None for a replica that names none)."""
+        same = instance is None or instance == routed.instance
+        if not same:
+            self.observe(routed.member, instance)
+        return routed.exact and same
 
     def close(self) -> None:
         with self._lock:
@@ -179,7 +201,9 @@ class Dispatcher:
             index = self._usable_choice(decision, usable, loads)
             if decision is not None and index != decision.index:
                 decision = replace(decision, index=index, replica=self.members[index].name)
-            routed = Routed(self.members[index], decision, len(tokens))
+            member = self.members[index]
+            stream = member.subscriber.stream(member.name)
+            routed = Routed(member, decision, len(tokens), stream.exact, stream.instance)
             if count:
                 self.begin(routed)
         return routed
@@ -265,6 +289,9 @@ class Dispatcher:
                         "tokens_in_flight": m.tokens_in_flight,
                         "event_batches": stream.num_batches,
                         "event_gaps": stream.num_gaps,
+                        "event_restarts": stream.num_restarts,
+                        "event_rejected": stream.num_rejected,
+                        "events_instance": stream.instance,
                         "mirror_exact": stream.exact,
                     }
                 )

@@ -15,7 +15,9 @@ Bodies are read up to `max_body_bytes` (413 beyond) and decoded, validated and t
 worker thread, so a large body does not stall the event loop (`/health` included).
 
 With `kv_events` (a `kvreuse.events.Publisher`) the step loop publishes the cache's KV events
-to it; the app closes it at shutdown, after the step loop has stopped.
+to it; the app closes it at shutdown, after the step loop has stopped. Every response then
+names the stream's incarnation (`x-kvreuse-kv-events-instance`, and `kv_events_instance` in
+/health), so a router can tell a restarted replica from the one whose stream it follows.
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvreuse.deployment import geometry_toml
+from kvreuse.events.common import INSTANCE_HEADER
 from kvreuse.serve.backend import Backend
 from kvreuse.serve.body import DEFAULT_MAX_BODY_BYTES, Disconnected, decode_json, read_body
 from kvreuse.serve.generate import Gen, check_model, check_prompt_length, prepare, run, submit
@@ -90,7 +93,10 @@ def create_app(
     _install_errors(app)
     if metrics_port is not None:
         app.add_middleware(_PortSplit, metrics_port=metrics_port)
-    _info_routes(app, engine, backend, life)
+    instance = getattr(kv_events, "instance_id", None)
+    if instance is not None:
+        app.add_middleware(_InstanceHeader, instance=str(instance))
+    _info_routes(app, engine, backend, life, instance)
     _admin_routes(app, engine, admin_token)
     opts = _GenOptions(max_body_bytes, force_include_usage, stream_stall_timeout)
     _generation_routes(app, engine, backend, life, opts)
@@ -105,14 +111,21 @@ class _GenOptions:
     stream_stall_timeout: float
 
 
-def _info_routes(app: FastAPI, engine: EngineLoop, backend: Backend, life: Lifecycle) -> None:
+def _info_routes(
+    app: FastAPI, engine: EngineLoop, backend: Backend, life: Lifecycle, instance: str | None
+) -> None:
     @app.get("/health", responses=error_responses(503))
     async def health() -> JSONResponse:
         if not engine.alive:
             raise ApiError(503, engine.failure or "not running", type="service_unavailable")
         if life.draining:
             raise ApiError(503, "the server is shutting down", type="service_unavailable")
-        return JSONResponse({"status": "ok"})
+        body = (
+            {"status": "ok"}
+            if instance is None
+            else {"status": "ok", "kv_events_instance": instance}
+        )
+        return JSONResponse(body)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -215,6 +228,26 @@ class _PortSplit:
                 await JSONResponse(err.body(), status_code=404)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class _InstanceHeader:
+    """ASGI middleware: every response names the KV event stream's incarnation."""
+
+    def __init__(self, app: ASGIApp, instance: str) -> None:
+        self.app = app
+        self.header = (INSTANCE_HEADER.encode(), instance.encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def named(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, named)
 
 
 def _check_admin(token: str | None, http: HttpRequest) -> None:
