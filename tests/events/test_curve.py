@@ -15,6 +15,7 @@ from replica import GEOMETRIES, Replica, shared_prefix
 from test_stream_trust import mirrored, resident, settle
 
 from kvreuse.events import Subscriber, curve
+from kvreuse.events.publisher import DEFAULT_ENDPOINT, Publisher
 from kvreuse.events.wire import AllBlocksCleared, EventBatch, encode_batch
 
 CTX = zmq.Context.instance()
@@ -94,3 +95,12 @@ def test_serve_refuses_a_bad_key_in_one_line() -> None:
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvreuse serve: --kv-events-curve-secret-key:")
+
+
+def test_a_publisher_binds_loopback_unless_told_otherwise() -> None:
+    assert DEFAULT_ENDPOINT.startswith("tcp://127.0.0.1:")
+    pub = Publisher(CFG.geometry, endpoint="tcp://127.0.0.1:0", bind=True)
+    try:
+        assert pub.endpoint.startswith("tcp://127.0.0.1:") and not pub.endpoint.endswith(":0")
+    finally:
+        pub.close()

@@ -43,6 +43,7 @@ from kvreuse.events.wire import EventBatch, LegacyEventBatch, encode_batch, to_l
 
 log = logging.getLogger(__name__)
 
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"  # bound: the events stay on this machine
 _POLL_S = 0.02  # the thread's wait for a batch when no replay is in progress
 _BUSY_POLL_S = 0.001  # … and while one is: a client's pipe may take more soon
 
@@ -82,7 +83,7 @@ class Publisher:
         self,
         geometry: Geometry,
         *,
-        endpoint: str = "tcp://*:5557",
+        endpoint: str | None = None,
         replay_endpoint: str | None = None,
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
@@ -96,7 +97,12 @@ class Publisher:
         replay_deadline_s: float = DEFAULT_DEADLINE_S,
         replay_hwm: int = DEFAULT_HWM,
         curve_secret_key: str | None = None,
+        bind: bool | None = None,
     ) -> None:
+        """`endpoint`: vLLM's rule (a wildcard, ipc or inproc binds, a specific address
+        connects; `bind` overrides it); None binds `DEFAULT_ENDPOINT`, on loopback only."""
+        if endpoint is None:
+            endpoint, bind = DEFAULT_ENDPOINT, True
         _check_options(
             mode,
             replay_deadline_s,
@@ -142,7 +148,7 @@ class Publisher:
         self._replay_sock: zmq.Socket[bytes] | None = None
         self._replay: ReplayServer | None = None
         try:
-            if is_bind_endpoint(endpoint):
+            if bind if bind is not None else is_bind_endpoint(endpoint):
                 self._pub.bind(endpoint)
                 endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
             else:
