@@ -22,12 +22,12 @@ Every bad record stops the import with one line naming the file, the line and th
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from kvreuse.sim.jsonl import LineError, json_lines
 from kvreuse.sim.workload import (
     MAX_BLOCK_ID,
     MAX_BLOCK_TOKENS,
@@ -207,7 +207,7 @@ def _kept(seed: int, key: int, fraction: float) -> bool:
 
 def import_trace(
     fmt_name: str,
-    lines: Iterable[str],
+    lines: Iterable[bytes | str],
     name: str,
     options: ImportOptions,
     stats: ImportStats | None = None,
@@ -223,16 +223,15 @@ def import_trace(
         raise WorkloadError(f"--block-tokens must be in 1 … {MAX_BLOCK_TOKENS:,}, got {size}")
     stats = stats if stats is not None else ImportStats()
     sessions: dict[int, str | None] = {}  # Bailian: chat id → its request id (None: dropped)
-    for lineno, line in enumerate(lines, 1):
-        if options.limit is not None and stats.num_written >= options.limit:
-            return
-        if not line.strip():
-            continue
-        at = (name, lineno)
+    records = json_lines(lines)
+    while options.limit is None or stats.num_written < options.limit:  # (read no further)
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise WorkloadError(f"{_where(*at)}: not valid JSON ({exc.msg})") from None
+            lineno, obj = next(records)
+        except StopIteration:
+            return
+        except LineError as exc:
+            raise WorkloadError(f"{name}: {exc}") from None
+        at = (name, lineno)
         rec = _record(fmt, obj, at)
         stats.num_records += 1
         out: dict[str, Any] = {}

@@ -26,7 +26,6 @@ from __future__ import annotations
 import array
 import functools
 import hashlib
-import json
 import math
 import random
 import sys
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreuse.core import TOKEN_TYPECODE
+from kvreuse.sim.jsonl import LineError, json_lines
 
 FIELDS = {"id", "prompt", "max_tokens", "arrival", "after", "cache_salt", "lora"}
 VOCAB = 1 << 15  # random prompts' token ids lie in [0, VOCAB)
@@ -293,28 +293,25 @@ def _seconds(value: Any) -> float | None:
     return seconds if 0 <= seconds < math.inf else None
 
 
-def load_workload(lines: Iterable[str]) -> list[WorkloadRequest]:
+def load_workload(lines: Iterable[str | bytes]) -> list[WorkloadRequest]:
     """Parse and cross-check a JSONL workload (unique ids; references to earlier ids only)."""
     out: list[WorkloadRequest] = []
     seen: set[str] = set()
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise WorkloadError(f"line {lineno}: not valid JSON ({exc.msg})") from None
-        req = parse_line(obj, lineno)
-        if req.request_id in seen:
-            raise WorkloadError(f"line {lineno}: field 'id': duplicate id {req.request_id!r}")
-        missing = sorted(req.dependencies() - seen)
-        if missing:
-            raise WorkloadError(
-                f"line {lineno}: refers to {missing}, which no earlier line "
-                "defines ('after' and 'history' name earlier requests)"
-            )
-        seen.add(req.request_id)
-        out.append(req)
+    try:
+        for lineno, obj in json_lines(lines):
+            req = parse_line(obj, lineno)
+            if req.request_id in seen:
+                raise WorkloadError(f"line {lineno}: field 'id': duplicate id {req.request_id!r}")
+            missing = sorted(req.dependencies() - seen)
+            if missing:
+                raise WorkloadError(
+                    f"line {lineno}: refers to {missing}, which no earlier line "
+                    "defines ('after' and 'history' name earlier requests)"
+                )
+            seen.add(req.request_id)
+            out.append(req)
+    except LineError as exc:
+        raise WorkloadError(str(exc)) from None
     return out
 
 
@@ -322,11 +319,10 @@ def read_workload(path: Path) -> list[WorkloadRequest]:
     """`load_workload` of a JSONL file, read line by line (never whole); every failure, an
     unreadable or empty file included, is a WorkloadError naming the file."""
     try:
-        with path.open(encoding="utf-8") as lines:
+        with path.open("rb") as lines:  # decoded line by line, so a bad byte names its line
             workload = load_workload(lines)
-    except (OSError, UnicodeDecodeError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise WorkloadError(f"{path}: cannot read the workload file ({why})") from None
+    except OSError as exc:
+        raise WorkloadError(f"{path}: cannot read the workload file ({exc.strerror})") from None
     except WorkloadError as exc:
         raise WorkloadError(f"{path}: {exc}") from None
     if not workload:

@@ -11,7 +11,7 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import IO, Any
 
 from kvreuse.deployment import GeometryError
@@ -219,7 +219,7 @@ def run_import(args: argparse.Namespace) -> int:
     try:
         with trace:
             out = sys.stdout
-            for line in import_trace(args.format, _decoded(trace, name), name, options, stats):
+            for line in import_trace(args.format, trace, name, options, stats):
                 out.write(json.dumps(line) + "\n")
     except WorkloadError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
@@ -237,15 +237,6 @@ def _open(path: str) -> IO[bytes]:
     if path == "-":
         return open(sys.stdin.fileno(), "rb", closefd=False)
     return open(path, "rb")
-
-
-def _decoded(lines: Iterable[bytes], name: str) -> Iterator[str]:
-    """Lines as text, decoded one by one, so a bad byte is named by its line."""
-    for lineno, raw in enumerate(lines, 1):
-        try:
-            yield raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise WorkloadError(f"{name}: line {lineno}: not UTF-8 text") from None
 
 
 def run(args: argparse.Namespace) -> int:
