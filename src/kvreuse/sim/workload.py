@@ -26,7 +26,6 @@ from __future__ import annotations
 import array
 import functools
 import hashlib
-import math
 import random
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -44,6 +43,9 @@ VOCAB = 1 << 15  # random prompts' token ids lie in [0, VOCAB)
 MAX_TOKENS_PER_REQUEST = 1 << 24
 MAX_BLOCK_TOKENS = 1 << 16  # tokens per hashed block of a trace (Mooncake 512, Bailian 16)
 MAX_BLOCK_ID = 1 << 32  # a block id is the first token of its block: a 4-byte token word
+# The latest arrival, in seconds (about 136 years: Unix times fit). Past 2**33 s a float's step
+# is coarser than the microsecond that arrivals are written to.
+MAX_ARRIVAL_S = 1 << 32
 PROMPT_KINDS = ("tokens", "random", "concat", "history", "blocks")
 
 
@@ -260,8 +262,8 @@ def parse_line(obj: Any, lineno: int) -> WorkloadRequest:
     arrival = _seconds(obj.get("arrival", 0.0))
     if arrival is None:
         raise WorkloadError(
-            f"{where}: field 'arrival' must be a finite number of seconds ≥ 0, "
-            f"got {obj['arrival']!r}"
+            f"{where}: field 'arrival' must be a finite number of seconds in 0 … "
+            f"{MAX_ARRIVAL_S:,} (2**32), got {obj['arrival']!r}"
         )
     after = obj.get("after")
     if after is not None and (not isinstance(after, str) or not after):
@@ -282,15 +284,15 @@ def parse_line(obj: Any, lineno: int) -> WorkloadRequest:
 
 
 def _seconds(value: Any) -> float | None:
-    """`value` as finite seconds ≥ 0, or None (NaN and Infinity, which Python's JSON reader
-    accepts, and integers too large for a float are refused)."""
+    """`value` as seconds in [0, MAX_ARRIVAL_S], or None (NaN and Infinity, which Python's JSON
+    reader accepts, and integers too large for a float are refused)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     try:
         seconds = float(value)
     except OverflowError:
         return None
-    return seconds if 0 <= seconds < math.inf else None
+    return seconds if 0 <= seconds <= MAX_ARRIVAL_S else None
 
 
 def load_workload(lines: Iterable[str | bytes]) -> list[WorkloadRequest]:

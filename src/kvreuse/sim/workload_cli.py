@@ -220,7 +220,7 @@ def run_import(args: argparse.Namespace) -> int:
         with trace:
             out = sys.stdout
             for line in import_trace(args.format, trace, name, options, stats):
-                out.write(json.dumps(line) + "\n")
+                out.write(_json(line))
     except WorkloadError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
@@ -248,5 +248,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     out = sys.stdout
     for line in lines:
-        out.write(json.dumps(line) + "\n")
+        out.write(_json(line))
     return 0
+
+
+def _json(line: dict[str, Any]) -> str:
+    """A workload line as JSON. Every number was checked finite before; were one not, this
+    refuses it (ValueError) rather than write NaN or Infinity, which JSON does not have."""
+    return json.dumps(line, allow_nan=False) + "\n"
