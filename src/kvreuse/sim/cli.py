@@ -176,6 +176,15 @@ def prepare_out(out: Path, outputs: Iterable[str] = OUTPUTS) -> None:
             raise OSError(f"--out {out}: {name} exists and cannot be overwritten")
 
 
+def clear_outputs(out: Path, names: Iterable[str] = OUTPUTS) -> None:
+    """Remove the files an earlier run wrote to `out` under `names`, once every check has
+    passed and this run starts: whenever it stops, no file there describes another run."""
+    for name in names:
+        path = out / name
+        if path.is_file() or path.is_symlink():
+            path.unlink()
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         geo, workload = read_inputs(args)
