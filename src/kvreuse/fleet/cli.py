@@ -5,7 +5,10 @@ The fleet options of `kvreuse simulate` (`add_fleet_arguments`) and the run they
 Prints one table comparing the policies (or `--json`) and writes to `--out`: `fleet.json` (every
 run's summary), `fleet.md` (the table) and `fleet-requests-POLICY.jsonl` (a row per request, as
 requests finish). Exit codes as `kvreuse simulate`'s: 0 done and reconciled, 1 a failed
-reconciliation or requests that exceed the cache, 2 bad input or a missing extra, 130 Ctrl-C.
+reconciliation or requests that exceed the cache, 2 bad input or a missing extra, 130 Ctrl-C
+(fleet.json and fleet.md then hold the runs that finished and say the run was interrupted).
+As the run starts, the files an earlier run wrote there are removed, so none is left beside
+this run's.
 
 This module imports neither the router nor the simulation until a fleet runs, so a command
 line without the `events` extra can still offer (and refuse, in one line) the options.
@@ -17,13 +20,19 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from kvreuse.core import ConfigError
-from kvreuse.deployment import Deployment, GeometryError
+from kvreuse.deployment import (
+    BYTES_PER_CACHED_BLOCK,
+    MAX_NUM_BLOCKS,
+    Deployment,
+    GeometryError,
+)
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT, POLICIES, TEXT_MATCH_THRESHOLD
-from kvreuse.sim.cli import prepare_out, read_inputs
+from kvreuse.sim.cli import clear_outputs, prepare_out, read_inputs
 from kvreuse.sim.cost import CostModel
 from kvreuse.sim.progress import Progress
 from kvreuse.sim.run import SimulationError
@@ -82,9 +91,13 @@ def _fail(message: object, code: int = 2) -> int:
     return code
 
 
+def _names(policies: Iterable[str]) -> list[str]:
+    return ["fleet.json", "fleet.md", *(f"fleet-requests-{p}.jsonl" for p in policies)]
+
+
 def _outputs(out: Path, policies: list[str]) -> list[Path]:
     """The files a run writes, checked writable before it starts."""
-    names = ["fleet.json", "fleet.md", *(f"fleet-requests-{p}.jsonl" for p in policies)]
+    names = _names(policies)
     prepare_out(out, names)
     return [out / name for name in names]
 
@@ -94,6 +107,17 @@ def _check_fleet(args: argparse.Namespace, dep: Deployment, policies: list[str])
     from kvreuse.fleet.policy import make_policy
     from kvreuse.fleet.tier import SharedTier
 
+    # Every replica's pool is built at once in this process: the ceiling of one pool bounds
+    # them together (64 replicas of the largest pool would need 190 GB).
+    per, total = dep.cache.num_blocks, args.replicas * dep.cache.num_blocks
+    if total > MAX_NUM_BLOCKS:
+        gb = total * BYTES_PER_CACHED_BLOCK / 1e9
+        raise GeometryError(
+            f"{args.replicas} replicas × {per:,} blocks = {total:,} blocks in all is too large: "
+            f"their bookkeeping alone would need about {gb:,.1f} GB ({BYTES_PER_CACHED_BLOCK} "
+            f"bytes per cached block); the limit is {MAX_NUM_BLOCKS:,} blocks in all "
+            "(lower --num-blocks or --replicas)"
+        )
     for policy in policies:
         make_policy(policy, dep.cache.geometry)
     if args.shared_tier_capacity is not None:
@@ -122,51 +146,70 @@ def run_fleet(args: argparse.Namespace) -> int:
         )
     except (GeometryError, WorkloadError, ConfigError, OSError, ValueError) as exc:
         return _fail(exc)
-    from kvreuse.fleet.sim import FleetOptions, simulate_fleet
-    from kvreuse.fleet.summary import comparison_table
-
+    # an earlier run's rows of any policy, this run's or not, would pass for this run's
+    clear_outputs(args.out, _names(POLICIES))
     progress = Progress(not args.quiet and sys.stderr.isatty())
     summaries: list[dict[str, Any]] = []
     for policy, rows_path in zip(policies, paths[2:], strict=True):
-        options = FleetOptions(
-            replicas=args.replicas,
-            policy=policy,
-            load_weight=args.load_weight,
-            shared_tier_tokens=args.shared_tier_capacity,
-            cost=cost,
-            draft_accept_rate=args.draft_accept_rate,
-            router_options=(("text_threshold", args.text_match_threshold),),
-        )
-        start = time.perf_counter()
-        with rows_path.open("w", encoding="utf-8") as rows:
-
-            def write(row: dict[str, Any], f: Any = rows) -> None:
-                f.write(json.dumps(row) + "\n")
-
-            try:
-                with progress.phase(policy, len(workload), "req") as on_progress:
-                    summary, _ = simulate_fleet(dep, workload, options, write, on_progress)
-            except KeyboardInterrupt:
-                return _fail(
-                    f"interrupted during the {policy} run; its finished requests are in "
-                    f"{rows_path}",
-                    INTERRUPTED,
-                )
-            except (WorkloadError, SimulationError) as exc:  # found only when a prompt resolved
-                return _fail(exc)
-        summary["wall_seconds"] = round(time.perf_counter() - start, 3)
-        summaries.append(summary)
-    return _report(args, dep, workload, summaries, comparison_table(summaries), paths)
+        try:
+            summaries.append(_run(args, dep, workload, cost, policy, rows_path, progress))
+        except KeyboardInterrupt:
+            _write_reports(args, dep, workload, summaries, paths, stopped=policy)
+            return _fail(
+                f"interrupted during the {policy} run; its finished requests are in "
+                f"{rows_path}, the runs that finished in {paths[0]}",
+                INTERRUPTED,
+            )
+        except (WorkloadError, SimulationError) as exc:  # found only when a prompt resolved
+            return _fail(exc)
+    return _report(args, dep, workload, summaries, paths)
 
 
-def _report(
+def _run(
+    args: argparse.Namespace,
+    dep: Deployment,
+    workload: list[WorkloadRequest],
+    cost: CostModel,
+    policy: str,
+    rows_path: Path,
+    progress: Progress,
+) -> dict[str, Any]:
+    """One policy's run: its rows to `rows_path` as requests finish, and its summary."""
+    from kvreuse.fleet.sim import FleetOptions, simulate_fleet
+
+    options = FleetOptions(
+        replicas=args.replicas,
+        policy=policy,
+        load_weight=args.load_weight,
+        shared_tier_tokens=args.shared_tier_capacity,
+        cost=cost,
+        draft_accept_rate=args.draft_accept_rate,
+        router_options=(("text_threshold", args.text_match_threshold),),
+    )
+    start = time.perf_counter()
+    with rows_path.open("w", encoding="utf-8") as rows:
+
+        def write(row: dict[str, Any]) -> None:
+            rows.write(json.dumps(row) + "\n")
+
+        with progress.phase(policy, len(workload), "req") as on_progress:
+            summary, _ = simulate_fleet(dep, workload, options, write, on_progress)
+    summary["wall_seconds"] = round(time.perf_counter() - start, 3)
+    return summary
+
+
+def _write_reports(
     args: argparse.Namespace,
     dep: Deployment,
     workload: list[WorkloadRequest],
     summaries: list[dict[str, Any]],
-    table: str,
     paths: list[Path],
-) -> int:
+    stopped: str | None = None,
+) -> tuple[dict[str, Any], str]:
+    """fleet.json and fleet.md, and the heading and table they show. `stopped`: the policy
+    whose run Ctrl-C stopped; the runs that finished are there, and both files say so."""
+    from kvreuse.fleet.summary import comparison_table
+
     head = (
         f"{dep.name} × {args.replicas} replicas, {len(workload):,} requests"
         + (
@@ -176,10 +219,28 @@ def _report(
         )
         + f", load weight {args.load_weight:g}"
     )
-    doc = {"geometry": dep.name, "replicas": args.replicas, "runs": summaries}
+    table = comparison_table(summaries) if summaries else "(no run finished)"
+    doc = {
+        "geometry": dep.name,
+        "replicas": args.replicas,
+        "interrupted": stopped is not None,
+        "runs": summaries,
+    }
+    title = "# Fleet simulation" + (f" (interrupted during the {stopped} run)" if stopped else "")
     paths[0].write_text(json.dumps(doc, indent=2) + "\n")
-    paths[1].write_text(f"# Fleet simulation\n\n{head}\n\n```\n{table}\n```\n")
-    print(json.dumps(doc, indent=2) if args.json else f"{head}\n{table}\noutputs in {args.out}/")
+    paths[1].write_text(f"{title}\n\n{head}\n\n```\n{table}\n```\n")
+    return doc, f"{head}\n{table}"
+
+
+def _report(
+    args: argparse.Namespace,
+    dep: Deployment,
+    workload: list[WorkloadRequest],
+    summaries: list[dict[str, Any]],
+    paths: list[Path],
+) -> int:
+    doc, shown = _write_reports(args, dep, workload, summaries, paths)
+    print(json.dumps(doc, indent=2) if args.json else f"{shown}\noutputs in {args.out}/")
     failed = [s["policy"] for s in summaries if not s["reconciled"]]
     too_large = next((s["too_large"] for s in summaries if s["too_large"]["count"]), None)
     if too_large:

@@ -3,7 +3,8 @@
 Prints a summary table (or `--json`) and writes requests.jsonl (as requests finish),
 summary.json, report.md and the plots (`--no-plots` to skip them) to DIR. Exit codes: 0 done and
 reconciled, 1 reconciliation failed or requests exceed the cache, 2 bad input, 130 Ctrl-C (what
-finished is kept).
+finished is kept). As the run starts, the files an earlier run wrote to DIR are removed, so none
+is left beside this run's.
 """
 
 from __future__ import annotations
@@ -176,6 +177,15 @@ def prepare_out(out: Path, outputs: Iterable[str] = OUTPUTS) -> None:
             raise OSError(f"--out {out}: {name} exists and cannot be overwritten")
 
 
+def clear_outputs(out: Path, names: Iterable[str] = OUTPUTS) -> None:
+    """Remove the files an earlier run wrote to `out` under `names`, once every check has
+    passed and this run starts: whenever it stops, no file there describes another run."""
+    for name in names:
+        path = out / name
+        if path.is_file() or path.is_symlink():
+            path.unlink()
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         geo, workload = read_inputs(args)
@@ -187,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
         prepare_out(args.out)
     except (GeometryError, WorkloadError, ConfigError, OSError, ValueError) as exc:
         return _fail(exc)
+    clear_outputs(args.out)
     progress = Progress(not args.quiet and sys.stderr.isatty())
     with (args.out / "requests.jsonl").open("w", encoding="utf-8") as rows:
         try:
@@ -227,7 +238,6 @@ def _finish(
         except KeyboardInterrupt:
             stopped = "the comparison run without deferral"
     plots = not args.no_plots and stopped is None
-    _remove_stale_plots(args.out)
     if plots:
         try:
             from kvreuse.sim.plots import write_plots
@@ -235,7 +245,7 @@ def _finish(
             with progress.phase("plotting", len(PLOTS), "plot") as on_plot:
                 write_plots(args.out, geo.name, result, on_plot)
         except KeyboardInterrupt:
-            _remove_stale_plots(args.out)
+            _remove_plots(args.out)
             stopped, plots = "plotting", False
     (args.out / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
     write_report(args.out, geo.name, result, plots)
@@ -254,15 +264,14 @@ def _finish(
     return 0
 
 
-def _remove_stale_plots(out: Path) -> None:
-    """Plots of an earlier run in the same folder would pass for this run's."""
+def _remove_plots(out: Path) -> None:
+    """Plots of an interrupted plotting would pass for complete ones."""
     for name, _ in PLOTS:
         (out / name).unlink(missing_ok=True)
 
 
 def _interrupted(args: argparse.Namespace, geo: Deployment, result: SimResult) -> int:
     s = result.summary
-    _remove_stale_plots(args.out)
     (args.out / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
     write_report(args.out, geo.name, result, plots=False)
     return _fail(

@@ -18,11 +18,11 @@ import re
 import signal
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvreuse.deployment import Deployment, blocks_for_capacity, check_num_blocks
+from kvreuse.deployment import MAX_NUM_BLOCKS, Deployment, blocks_for_capacity, check_num_blocks
 from kvreuse.sim.cost import CostModel
 from kvreuse.sim.feed import static_length
 from kvreuse.sim.run import SimulationError, simulate
@@ -32,6 +32,9 @@ from kvreuse.sim.workload import WorkloadError, WorkloadRequest
 UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
 UNLIMITED = ("inf", "unlimited")
 MAX_CAPACITY = 10**15  # far beyond any pool: a larger value is a typo
+# Blocks of the pools of the cases running at once (each in its own process on this machine):
+# the ceiling of one pool, so a sweep of large pools runs fewer than --jobs at once.
+MAX_BLOCKS_AT_ONCE = MAX_NUM_BLOCKS
 _CAPACITY = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([kmg]?)")
 
 Row = dict[str, Any]
@@ -241,15 +244,37 @@ def _completions(
         min(jobs, len(cases)), context, initializer=_init_worker, initargs=(workload,)
     )
     try:
-        futures = {pool.submit(_run_in_worker, case, rate): i for i, case in enumerate(cases)}
-        for future in as_completed(futures):
-            yield futures[future], future.result()
+        yield from _throttled(pool, cases, min(jobs, len(cases)), rate)
     except BaseException:
         pool.shutdown(wait=False, cancel_futures=True)
         for child in multiprocessing.active_children():  # the pool's workers: stop them now
             child.terminate()
         raise
     pool.shutdown()
+
+
+def _throttled(
+    pool: ProcessPoolExecutor, cases: list[Case], workers: int, rate: float
+) -> Iterator[tuple[int, Row]]:
+    """The cases on `pool`, in case order, at most `workers` at once and, past the first, only
+    while the pools of those running hold MAX_BLOCKS_AT_ONCE blocks or fewer in all: the cases
+    run on this machine together, so the ceiling of one pool bounds them together (each case
+    alone is within it: `cases_for` checked)."""
+    running: dict[Future[Row], int] = {}
+    held, next_case = 0, 0  # blocks of the running cases; the next case to submit
+    while next_case < len(cases) or running:
+        while next_case < len(cases) and len(running) < workers:
+            need = cases[next_case].geo.cache.num_blocks
+            if running and held + need > MAX_BLOCKS_AT_ONCE:
+                break  # it waits for the running ones to make room
+            running[pool.submit(_run_in_worker, cases[next_case], rate)] = next_case
+            held += need
+            next_case += 1
+        finished, _ = wait(running, return_when=FIRST_COMPLETED)
+        for future in finished:
+            i = running.pop(future)
+            held -= cases[i].geo.cache.num_blocks
+            yield i, future.result()
 
 
 def run_cases_on_ray(

@@ -5,7 +5,8 @@ Every (geometry, capacity) is one `kvreuse simulate` run, in parallel on local p
 DIR/sweep.md (the table and the plots), DIR/sweep.json (every case's figures) and, unless
 --no-plots, DIR/hit_rate_vs_capacity.png and DIR/prefill_time.png. Exit codes: 0 done; 1 a
 case failed reconciliation or has requests that exceed its cache; 2 bad input; 130 Ctrl-C
-(the finished cases are kept).
+(the finished cases are kept, in a sweep.json and sweep.md that say the sweep was interrupted).
+As the sweep starts, the files an earlier one wrote to DIR are removed.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 from kvreuse.core import ConfigError
 from kvreuse.deployment import Deployment, GeometryError, resolve
-from kvreuse.sim.cli import prepare_out
+from kvreuse.sim.cli import clear_outputs, prepare_out
 from kvreuse.sim.cost import CostModel
 from kvreuse.sim.progress import Progress
 from kvreuse.sim.sweep import (
@@ -134,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         cases = cases_for(geometries, capacities, workload)
     except (GeometryError, ConfigError, WorkloadError, OSError, ValueError) as exc:
         return _fail(exc)
+    clear_outputs(args.out, OUTPUTS)
     progress = Progress(not args.quiet and sys.stderr.isatty())
     done: list[Row] = []
     try:
@@ -187,8 +189,6 @@ def _write(
     interrupted: bool,
 ) -> dict[str, Any]:
     out: Path = args.out
-    for name in PLOTS:  # an earlier sweep's plots would pass for this one's
-        (out / name).unlink(missing_ok=True)
     doc = {
         "workload": str(args.workload),
         "geometries": [{"geometry": label, "cost": _cost_fields(geo)} for label, geo in geometries],
@@ -269,7 +269,7 @@ def sweep_table(rows: list[Row]) -> list[str]:
         )
         for r in rows
     ]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(head)]
+    widths = [max([len(h), *(len(c[i]) for c in cells)]) for i, h in enumerate(head)]
     left = {0, 1}  # text columns; the numbers align right
 
     def line(values: tuple[str, ...]) -> str:

@@ -22,13 +22,14 @@ Every bad record stops the import with one line naming the file, the line and th
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from kvreuse.sim.jsonl import LineError, json_lines
 from kvreuse.sim.workload import (
+    MAX_ARRIVAL_S,
     MAX_BLOCK_ID,
     MAX_BLOCK_TOKENS,
     MAX_TOKENS_PER_REQUEST,
@@ -42,11 +43,12 @@ class TraceFormat:
     fields: tuple[str, ...]  # every record has exactly these
     block_tokens: int  # the default tokens per hash id
     seconds_per_tick: float  # the timestamp's unit
+    tick: str  # its name
 
 
 FORMATS = {
     "mooncake": TraceFormat(
-        "mooncake", ("timestamp", "input_length", "output_length", "hash_ids"), 512, 1e-3
+        "mooncake", ("timestamp", "input_length", "output_length", "hash_ids"), 512, 1e-3, "ms"
     ),
     "bailian": TraceFormat(
         "bailian",
@@ -62,6 +64,7 @@ FORMATS = {
         ),
         16,
         1.0,
+        "s",
     ),
 }
 
@@ -207,7 +210,7 @@ def _kept(seed: int, key: int, fraction: float) -> bool:
 
 def import_trace(
     fmt_name: str,
-    lines: Iterable[str],
+    lines: Iterable[bytes | str],
     name: str,
     options: ImportOptions,
     stats: ImportStats | None = None,
@@ -223,19 +226,18 @@ def import_trace(
         raise WorkloadError(f"--block-tokens must be in 1 … {MAX_BLOCK_TOKENS:,}, got {size}")
     stats = stats if stats is not None else ImportStats()
     sessions: dict[int, str | None] = {}  # Bailian: chat id → its request id (None: dropped)
-    for lineno, line in enumerate(lines, 1):
-        if options.limit is not None and stats.num_written >= options.limit:
-            return
-        if not line.strip():
-            continue
-        at = (name, lineno)
+    records = json_lines(lines)
+    while options.limit is None or stats.num_written < options.limit:  # (read no further)
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise WorkloadError(f"{_where(*at)}: not valid JSON ({exc.msg})") from None
+            lineno, obj = next(records)
+        except StopIteration:
+            return
+        except LineError as exc:
+            raise WorkloadError(f"{name}: {exc}") from None
+        at = (name, lineno)
         rec = _record(fmt, obj, at)
         stats.num_records += 1
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = {"arrival": _arrival(rec["timestamp"], fmt, options, at)}
         if fmt.name == "bailian":
             rid = _bailian_id(rec, sessions, options, stats, at, out)
             if rid is None:
@@ -244,7 +246,21 @@ def import_trace(
             if not _kept(options.seed, lineno, options.sample):
                 continue
             rid = f"r{lineno}"
-        yield _line(rid, rec, size, lineno, fmt, options, stats, out)
+        yield _line(rid, rec, size, lineno, stats, out)
+
+
+def _arrival(
+    timestamp: float, fmt: TraceFormat, options: ImportOptions, at: tuple[str, int]
+) -> float:
+    """The record's arrival in seconds, at most the workload format's MAX_ARRIVAL_S."""
+    arrival = timestamp * fmt.seconds_per_tick * options.time_scale
+    if not arrival <= MAX_ARRIVAL_S:  # (an overflow to inf included)
+        raise WorkloadError(
+            f"{_where(*at, 'timestamp')}: {timestamp:g} {fmt.tick} × --time-scale "
+            f"{options.time_scale:g} is an arrival of {arrival:g} s; arrivals must be at most "
+            f"{MAX_ARRIVAL_S:,} s (2**32, about 136 years): use a smaller --time-scale"
+        )
+    return round(arrival, 6)
 
 
 def _bailian_id(
@@ -279,8 +295,6 @@ def _line(
     rec: dict[str, Any],
     size: int,
     lineno: int,
-    fmt: TraceFormat,
-    options: ImportOptions,
     stats: ImportStats,
     extra: dict[str, Any],
 ) -> dict[str, Any]:
@@ -289,14 +303,12 @@ def _line(
         stats.num_past_ids += 1
     if rec["output_length"] == 0:
         stats.num_no_output += 1
-    arrival = rec["timestamp"] * fmt.seconds_per_tick * options.time_scale
     line: dict[str, Any] = {
         "id": rid,
         "prompt": prompt_of(ids, length, size, lineno),
         "max_tokens": max(1, rec["output_length"]),
-        "arrival": round(arrival, 6),
+        **extra,  # arrival, and a Bailian turn's after
     }
-    line.update(extra)
     stats.num_written += 1
     stats.prompt_tokens += length
     return line

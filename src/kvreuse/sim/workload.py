@@ -26,8 +26,6 @@ from __future__ import annotations
 import array
 import functools
 import hashlib
-import json
-import math
 import random
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -36,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreuse.core import TOKEN_TYPECODE
+from kvreuse.sim.jsonl import LineError, json_lines
 
 FIELDS = {"id", "prompt", "max_tokens", "arrival", "after", "cache_salt", "lora"}
 VOCAB = 1 << 15  # random prompts' token ids lie in [0, VOCAB)
@@ -44,6 +43,9 @@ VOCAB = 1 << 15  # random prompts' token ids lie in [0, VOCAB)
 MAX_TOKENS_PER_REQUEST = 1 << 24
 MAX_BLOCK_TOKENS = 1 << 16  # tokens per hashed block of a trace (Mooncake 512, Bailian 16)
 MAX_BLOCK_ID = 1 << 32  # a block id is the first token of its block: a 4-byte token word
+# The latest arrival, in seconds (about 136 years: Unix times fit). Past 2**33 s a float's step
+# is coarser than the microsecond that arrivals are written to.
+MAX_ARRIVAL_S = 1 << 32
 PROMPT_KINDS = ("tokens", "random", "concat", "history", "blocks")
 
 
@@ -260,8 +262,8 @@ def parse_line(obj: Any, lineno: int) -> WorkloadRequest:
     arrival = _seconds(obj.get("arrival", 0.0))
     if arrival is None:
         raise WorkloadError(
-            f"{where}: field 'arrival' must be a finite number of seconds ≥ 0, "
-            f"got {obj['arrival']!r}"
+            f"{where}: field 'arrival' must be a finite number of seconds in 0 … "
+            f"{MAX_ARRIVAL_S:,} (2**32), got {obj['arrival']!r}"
         )
     after = obj.get("after")
     if after is not None and (not isinstance(after, str) or not after):
@@ -282,39 +284,36 @@ def parse_line(obj: Any, lineno: int) -> WorkloadRequest:
 
 
 def _seconds(value: Any) -> float | None:
-    """`value` as finite seconds ≥ 0, or None (NaN and Infinity, which Python's JSON reader
-    accepts, and integers too large for a float are refused)."""
+    """`value` as seconds in [0, MAX_ARRIVAL_S], or None (NaN and Infinity, which Python's JSON
+    reader accepts, and integers too large for a float are refused)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     try:
         seconds = float(value)
     except OverflowError:
         return None
-    return seconds if 0 <= seconds < math.inf else None
+    return seconds if 0 <= seconds <= MAX_ARRIVAL_S else None
 
 
-def load_workload(lines: Iterable[str]) -> list[WorkloadRequest]:
+def load_workload(lines: Iterable[str | bytes]) -> list[WorkloadRequest]:
     """Parse and cross-check a JSONL workload (unique ids; references to earlier ids only)."""
     out: list[WorkloadRequest] = []
     seen: set[str] = set()
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise WorkloadError(f"line {lineno}: not valid JSON ({exc.msg})") from None
-        req = parse_line(obj, lineno)
-        if req.request_id in seen:
-            raise WorkloadError(f"line {lineno}: field 'id': duplicate id {req.request_id!r}")
-        missing = sorted(req.dependencies() - seen)
-        if missing:
-            raise WorkloadError(
-                f"line {lineno}: refers to {missing}, which no earlier line "
-                "defines ('after' and 'history' name earlier requests)"
-            )
-        seen.add(req.request_id)
-        out.append(req)
+    try:
+        for lineno, obj in json_lines(lines):
+            req = parse_line(obj, lineno)
+            if req.request_id in seen:
+                raise WorkloadError(f"line {lineno}: field 'id': duplicate id {req.request_id!r}")
+            missing = sorted(req.dependencies() - seen)
+            if missing:
+                raise WorkloadError(
+                    f"line {lineno}: refers to {missing}, which no earlier line "
+                    "defines ('after' and 'history' name earlier requests)"
+                )
+            seen.add(req.request_id)
+            out.append(req)
+    except LineError as exc:
+        raise WorkloadError(str(exc)) from None
     return out
 
 
@@ -322,11 +321,10 @@ def read_workload(path: Path) -> list[WorkloadRequest]:
     """`load_workload` of a JSONL file, read line by line (never whole); every failure, an
     unreadable or empty file included, is a WorkloadError naming the file."""
     try:
-        with path.open(encoding="utf-8") as lines:
+        with path.open("rb") as lines:  # decoded line by line, so a bad byte names its line
             workload = load_workload(lines)
-    except (OSError, UnicodeDecodeError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise WorkloadError(f"{path}: cannot read the workload file ({why})") from None
+    except OSError as exc:
+        raise WorkloadError(f"{path}: cannot read the workload file ({exc.strerror})") from None
     except WorkloadError as exc:
         raise WorkloadError(f"{path}: {exc}") from None
     if not workload:

@@ -11,7 +11,7 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import IO, Any
 
 from kvreuse.deployment import GeometryError
@@ -219,8 +219,8 @@ def run_import(args: argparse.Namespace) -> int:
     try:
         with trace:
             out = sys.stdout
-            for line in import_trace(args.format, _decoded(trace, name), name, options, stats):
-                out.write(json.dumps(line) + "\n")
+            for line in import_trace(args.format, trace, name, options, stats):
+                out.write(_json(line))
     except WorkloadError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
@@ -239,15 +239,6 @@ def _open(path: str) -> IO[bytes]:
     return open(path, "rb")
 
 
-def _decoded(lines: Iterable[bytes], name: str) -> Iterator[str]:
-    """Lines as text, decoded one by one, so a bad byte is named by its line."""
-    for lineno, raw in enumerate(lines, 1):
-        try:
-            yield raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise WorkloadError(f"{name}: line {lineno}: not UTF-8 text") from None
-
-
 def run(args: argparse.Namespace) -> int:
     opts = {k: v for k, v in vars(args).items() if k not in ("command", "func", "kind")}
     try:
@@ -257,5 +248,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     out = sys.stdout
     for line in lines:
-        out.write(json.dumps(line) + "\n")
+        out.write(_json(line))
     return 0
+
+
+def _json(line: dict[str, Any]) -> str:
+    """A workload line as JSON. Every number was checked finite before; were one not, this
+    refuses it (ValueError) rather than write NaN or Infinity, which JSON does not have."""
+    return json.dumps(line, allow_nan=False) + "\n"
