@@ -21,7 +21,6 @@ to it; the app closes it at shutdown, after the step loop has stopped.
 from __future__ import annotations
 
 import asyncio
-import hmac
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -32,7 +31,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvreuse.deployment import geometry_toml
 from kvreuse.serve.backend import Backend
@@ -42,6 +40,7 @@ from kvreuse.serve.lifecycle import Lifecycle
 from kvreuse.serve.loop import EngineLoop, EventSink, Unavailable
 from kvreuse.serve.metrics import new_registry, take_snapshot
 from kvreuse.serve.openapi import error_responses, install_openapi, request_body
+from kvreuse.serve.ops import PortSplit, api_error, check_admin
 from kvreuse.serve.protocol import (
     ApiError,
     ChatRequest,
@@ -52,8 +51,6 @@ from kvreuse.serve.protocol import (
     render_chat,
 )
 from kvreuse.serve.stream import GuardedStream, message, sse
-
-METRICS_ONLY = ("/metrics", "/health")  # what the separate metrics listener serves
 
 
 def create_app(
@@ -89,7 +86,7 @@ def create_app(
     app.state.kv_events = kv_events
     _install_errors(app)
     if metrics_port is not None:
-        app.add_middleware(_PortSplit, metrics_port=metrics_port)
+        app.add_middleware(PortSplit, metrics_port=metrics_port)
     _info_routes(app, engine, backend, life)
     _admin_routes(app, engine, admin_token)
     opts = _GenOptions(max_body_bytes, force_include_usage, stream_stall_timeout)
@@ -143,7 +140,7 @@ def _admin_routes(app: FastAPI, engine: EngineLoop, admin_token: str | None) -> 
 
     @app.post("/reset_prefix_cache", responses=error_responses(401, 409, 503))
     async def reset(http: HttpRequest) -> JSONResponse:
-        _check_admin(admin_token, http)
+        check_admin(admin_token, http)
         if not await engine.call(_reset):
             raise ApiError(
                 409,
@@ -185,10 +182,7 @@ def _generation_routes(
 
 
 def _install_errors(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def _api_error(_: HttpRequest, exc: ApiError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+    app.exception_handler(ApiError)(api_error)
 
     @app.exception_handler(Unavailable)
     async def _unavailable(_: HttpRequest, exc: Unavailable) -> JSONResponse:
@@ -196,42 +190,6 @@ def _install_errors(app: FastAPI) -> None:
         return JSONResponse(err.body(), status_code=503)
 
     app.exception_handler(HTTPException)(http_error)
-
-
-class _PortSplit:
-    """ASGI middleware: on the metrics listener only METRICS_ONLY; elsewhere no /metrics."""
-
-    def __init__(self, app: ASGIApp, metrics_port: int) -> None:
-        self.app = app
-        self.metrics_port = metrics_port
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            server = scope.get("server")
-            on_metrics = server is not None and server[1] == self.metrics_port
-            path = scope["path"]
-            if (path == "/metrics" and not on_metrics) or (on_metrics and path not in METRICS_ONLY):
-                err = ApiError(404, f"no such endpoint on this port: {path}", code="not_found")
-                await JSONResponse(err.body(), status_code=404)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def _check_admin(token: str | None, http: HttpRequest) -> None:
-    if token is None:
-        return
-    given = http.headers.get("authorization", "")
-    scheme, _, value = given.partition(" ")
-    ok = scheme.lower() == "bearer" and hmac.compare_digest(
-        value.strip().encode("utf-8", "surrogateescape"), token.encode("utf-8")
-    )
-    if not ok:
-        raise ApiError(
-            401,
-            "this endpoint needs the admin token: send 'Authorization: Bearer <token>'",
-            type="authentication_error",
-            code="invalid_admin_token",
-        )
 
 
 def _reset(backend: Backend) -> bool:
