@@ -209,6 +209,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_serve)
 
 
+def serve_parser(parser_class: type[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """`kvreuse serve`'s own parser, alone, built with `parser_class`: `kvreuse fleet` asks it
+    how the options it passes on to its replicas resolve (abbreviations included)."""
+    sub = parser_class(prog="kvreuse").add_subparsers()
+    _add_serve(sub)
+    return sub.choices["serve"]
+
+
 def _cmd_qualify(args: argparse.Namespace) -> int:
     from kvreuse.qualify import main as qualify_main
 

@@ -130,11 +130,27 @@ def _busy_port() -> socket.socket:
     return s
 
 
+# Were the refusal missed, the replicas would fail to start in time rather than run.
+_FLEET = ["fleet", "--replicas", "2", "--fake", "--quiet-replicas", "--start-timeout", "0.01", "--"]
+_MODE = "--kv-events-mode"
+_SET = "is set by kvreuse fleet for each replica"
+
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
         (["fleet", "--replicas", "2", "--", "--port", "9"], "--port is set by kvreuse fleet"),
         (["fleet", "--replicas", "2", "--", "--geometry", "x"], "give it before --"),
+        # after --, what serve's own parser would take for a fleet option, however spelled
+        ([*_FLEET, "--kv-events-mo", "routable"], f"--kv-events-mo (taken as {_MODE}) {_SET}"),
+        ([*_FLEET, "--kv-events-mo=routable"], f"--kv-events-mo (taken as {_MODE}) {_SET}"),
+        ([*_FLEET, "--kv-events-mode=groups"], f"{_MODE} {_SET}"),
+        ([*_FLEET, "--po=9"], f"--po (taken as --port) {_SET}"),
+        ([*_FLEET, "--metrics-p", "9"], f"--metrics-p (taken as --metrics-port) {_SET}"),
+        ([*_FLEET, "--fak"], "--fak (taken as --fake) is an option of kvreuse fleet"),
+        ([*_FLEET, "--num-b", "9"], "--num-b (taken as --num-blocks) is an option of"),
+        ([*_FLEET, "--no-such-option"], "after --: unrecognized arguments: --no-such-option"),
+        ([*_FLEET, "--met", "9"], "after --: ambiguous option: --met could match"),
         (["fleet", "--replicas", "2", "--load-weight", "nan"], "--load-weight must be"),
         (["fleet", "--replicas", "2", "--geometry", "nope"], "nope"),
         (["route", "--replica", "http://h:1"], "URL,EVENTS_ENDPOINT"),

@@ -18,18 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT, POLICIES
+from kvreuse.fleet.serve_args import UsageError, replica_args
 from kvreuse.sim.workload_cli import int_range
 
 MAX_REPLICAS = 64
-# Options `kvreuse fleet` sets on each replica itself; given after `--` they are refused.
-FLEET_OWNED: tuple[str, ...] = ("--host", "--port", "--metrics-port", "--metrics-host")
-FLEET_OWNED += ("--kv-events-endpoint", "--kv-events-replay-endpoint", "--kv-events-mode")
-# The fleet's own replica options: the front must know them (geometry, tokenizer).
-FLEET_OPTIONS = ("--geometry", "--model", "--fake", "--num-blocks", "--max-pending")
-
-
-class UsageError(ValueError):
-    """A bad option or replica; printed as one line, exit code 2."""
 
 
 def add_parser(sub: Any) -> None:
@@ -108,7 +100,7 @@ def _cmd_fleet(args: argparse.Namespace) -> int:
 
     try:
         _check_common(args)
-        serve_args = _replica_args(args)
+        serve_args = replica_args(args)
         config = _fleet_deployment(args).cache
         tokenizer = _tokenizer(args.model, None)
         dispatcher, sock = _open(args, config)
@@ -221,28 +213,6 @@ def _check_common(args: argparse.Namespace) -> None:
     timeout = getattr(args, "start_timeout", 1.0)
     if not (math.isfinite(timeout) and timeout > 0):
         raise UsageError(f"--start-timeout must be seconds > 0, got {timeout}")
-
-
-def _replica_args(args: argparse.Namespace) -> list[str]:
-    """What every replica gets: the fleet's replica options, then those after `--`."""
-    for arg in args.serve_args:
-        flag = arg.split("=", 1)[0]
-        if flag in FLEET_OWNED:
-            raise UsageError(f"{flag} is set by kvreuse fleet for each replica; leave it out")
-        if flag in FLEET_OPTIONS:
-            raise UsageError(f"{flag} is an option of kvreuse fleet: give it before --")
-    out: list[str] = []
-    if args.geometry is not None:
-        out += ["--geometry", args.geometry]
-    if args.model is not None:
-        out += ["--model", args.model]
-    if args.fake:
-        out.append("--fake")
-    if args.num_blocks is not None:
-        out += ["--num-blocks", str(args.num_blocks)]
-    if args.max_pending is not None:
-        out += ["--max-pending", str(args.max_pending)]
-    return out + list(args.serve_args)
 
 
 def _fleet_deployment(args: argparse.Namespace) -> Any:
