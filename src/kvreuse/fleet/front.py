@@ -26,7 +26,7 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -101,8 +101,11 @@ def create_front(
     models: list[dict[str, Any]] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     health_interval: float = 2.0,
+    on_shutdown: Callable[[], None] | None = None,
 ) -> FastAPI:
-    """The front over `dispatcher`'s replicas; `models`: the cards /v1/models lists."""
+    """The front over `dispatcher`'s replicas; `models`: the cards /v1/models lists;
+    `on_shutdown`: run (in a thread) once the front has stopped serving, before its process may
+    end."""
     metrics = FrontMetrics(dispatcher.status)
     for member in dispatcher.members:
         metrics.add_replica(member.name)
@@ -120,6 +123,8 @@ def create_front(
                 checker.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await checker
+                if on_shutdown is not None:
+                    await asyncio.to_thread(on_shutdown)
 
     app = FastAPI(title="kvreuse fleet", version="0.1.0", lifespan=lifespan)
     app.state.dispatcher, app.state.metrics = dispatcher, metrics

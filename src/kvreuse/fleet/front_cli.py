@@ -4,8 +4,10 @@
     kvreuse fleet --replicas 3 [--policy exact] [--geometry G] [--port 8000] [--fake] [-- SERVE…]
     kvreuse route --replica URL,EVENTS[,REPLAY] … [--geometry G] [--policy exact]
 
-Exit codes: 0 after a clean shutdown (Ctrl-C or SIGTERM), 2 for a usage error or replicas that
-could not be started, 130 for Ctrl-C while the replicas start.
+Exit codes, as `kvreuse serve`'s: on SIGTERM the front stops serving, stops its replicas (each
+drains), then ends by SIGTERM itself, as uvicorn does after a graceful shutdown so that a
+supervisor sees the signal (a shell reports 143); 130 for Ctrl-C (after the same shutdown, or
+while the replicas start); 2 for a usage error or replicas that could not be started.
 """
 
 from __future__ import annotations
@@ -122,7 +124,9 @@ def _cmd_fleet(args: argparse.Namespace) -> int:
             member.url = proc.url
             dispatcher.set_replay(member, proc.replay_endpoint)
         models = _check_replicas(dispatcher, config, required=True)
-        return _serve("fleet", args, dispatcher, tokenizer, models, sock)
+        # the replicas stop while the front shuts down: after a SIGTERM, which uvicorn re-raises
+        # once the server is down, there is no later moment
+        return _serve("fleet", args, dispatcher, tokenizer, models, sock, fleet.stop)
     except (ReplicaError, UsageError) as exc:
         sock.close()
         return _usage("fleet", exc)
@@ -187,11 +191,18 @@ def _serve(
     tokenizer: Any,
     models: list[dict[str, Any]],
     sock: Any,
+    on_shutdown: Any = None,
 ) -> int:
     from kvreuse.fleet.front import create_front
     from kvreuse.serve.server import run_server
 
-    app = create_front(dispatcher, tokenizer, models=models, health_interval=args.health_interval)
+    app = create_front(
+        dispatcher,
+        tokenizer,
+        models=models,
+        health_interval=args.health_interval,
+        on_shutdown=on_shutdown,
+    )
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
     count = len(dispatcher.members)
