@@ -1,6 +1,7 @@
-"""Operating the front as `kvreuse serve` is operated: SIGTERM (the replicas stop before the
-front ends, by SIGTERM as serve does), and a replica that dies while the front runs (reaped at
-once, not a zombie until the front exits)."""
+"""Operating the front as `kvreuse serve` is operated: a separate metrics listener, the admin
+token for /fleet/replicas (it lists the replicas' addresses), SIGTERM (the replicas stop before
+the front ends, by SIGTERM as serve does), and a replica that dies while the front runs (reaped
+at once, not a zombie until the front exits)."""
 
 from __future__ import annotations
 
@@ -19,10 +20,18 @@ import pytest
 for _name, _extra in (("fastapi", "server"), ("uvicorn", "server")):
     pytest.importorskip(_name, reason=f"front tests need {_name}: pip install -e '.[{_extra}]'")
 
-from test_front_util import wait_until  # noqa: E402
+from test_front_util import command, wait_until  # noqa: E402
 
+from kvreuse.events import Publisher  # noqa: E402
+from kvreuse.fleet.dispatch import Dispatcher  # noqa: E402
+from kvreuse.fleet.front import create_front  # noqa: E402
 from kvreuse.fleet.replicas import ReplicaProcess  # noqa: E402
+from kvreuse.serve import fake_backend  # noqa: E402
+from kvreuse.serve.app import create_app  # noqa: E402
+from kvreuse.serve.server import ServerThread, bind  # noqa: E402
+from kvreuse.tokenizer import ByteTokenizer  # noqa: E402
 
+TOKEN = {"authorization": "Bearer s3cret"}
 _STARTED = re.compile(r"^\[replica-\d+\] INFO:\s+Started server process \[(\d+)\]")
 
 
@@ -39,6 +48,62 @@ def _answers(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=2).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def _check_operator_controls(url: str, metrics_url: str) -> None:
+    assert httpx.get(f"{url}/metrics").status_code == 404
+    scrape = httpx.get(metrics_url)
+    assert scrape.status_code == 200 and "kvreuse:fleet_routed_requests_total" in scrape.text
+    for headers in ({}, {"authorization": "Bearer wrong"}):
+        r = httpx.get(f"{url}/fleet/replicas", headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_admin_token"
+        assert r.headers["www-authenticate"] == "Bearer"
+    r = httpx.get(f"{url}/fleet/replicas", headers=TOKEN)
+    assert r.status_code == 200 and r.json()["replicas"][0]["name"] == "replica-0"
+    base = metrics_url.removesuffix("/metrics")
+    assert httpx.get(f"{base}/fleet/replicas", headers=TOKEN).status_code == 404
+    assert httpx.get(f"{base}/health").status_code == 200
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+def test_the_front_serves_metrics_apart_and_guards_its_replica_list(tmp_path: Path) -> None:
+    replica = ServerThread(create_app(fake_backend()))
+    dispatcher = Dispatcher(fake_backend().mgr.config, "exact")
+    msock = bind("127.0.0.1", 0)
+    mport = msock.getsockname()[1]
+    try:
+        dispatcher.add("replica-0", replica.start(), f"ipc://{tmp_path}/events")
+        app = create_front(
+            dispatcher,
+            ByteTokenizer(),
+            health_interval=3600,
+            admin_token="s3cret",
+            metrics_port=mport,
+        )
+        with ServerThread(app, extra=(msock,)) as url:
+            _check_operator_controls(url, f"http://127.0.0.1:{mport}/metrics")
+    finally:
+        replica.stop()
+        dispatcher.close()
+
+
+def test_kvreuse_route_takes_the_operator_options_of_kvreuse_serve(tmp_path: Path) -> None:
+    backend = fake_backend()
+    pub = Publisher(backend.mgr.geo, endpoint=f"ipc://{tmp_path}/ev")
+    replica = ServerThread(create_app(backend, kv_events=pub))
+    env = {**os.environ, "KVREUSE_ADMIN_TOKEN": "s3cret"}
+    args = ["route", "--port", "0", "--metrics-port", "0"]
+    seen: list[str] = []
+    try:
+        args += ["--replica", f"{replica.start()},{pub.endpoint}"]
+        with command(args, "kvreuse route:", timeout=60, env=env, seen=seen) as url:
+            wait_until(lambda: any(" metrics on " in line for line in seen))
+            line = next(line for line in seen if " metrics on " in line)
+            assert line.startswith("kvreuse route: metrics on http://127.0.0.1:")
+            _check_operator_controls(url, line.split(" on ", 1)[1])
+    finally:
+        replica.stop()
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")

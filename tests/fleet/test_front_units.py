@@ -132,6 +132,7 @@ def _busy_port() -> socket.socket:
 
 # Were the refusal missed, the replicas would fail to start in time rather than run.
 _FLEET = ["fleet", "--replicas", "2", "--fake", "--quiet-replicas", "--start-timeout", "0.01", "--"]
+_ROUTE = ["--replica", "http://h:1,tcp://h:2"]
 _MODE = "--kv-events-mode"
 _SET = "is set by kvreuse fleet for each replica"
 
@@ -151,6 +152,9 @@ _SET = "is set by kvreuse fleet for each replica"
         ([*_FLEET, "--num-b", "9"], "--num-b (taken as --num-blocks) is an option of"),
         ([*_FLEET, "--no-such-option"], "after --: unrecognized arguments: --no-such-option"),
         ([*_FLEET, "--met", "9"], "after --: ambiguous option: --met could match"),
+        (["fleet", "--replicas", "2", "--metrics-port", "70000"], "--metrics-port must be a TCP"),
+        (["route", *_ROUTE, "--port", "9", "--metrics-port", "9"], "--metrics-port must differ"),
+        (["route", *_ROUTE, "--admin-token", " "], "--admin-token must not be empty"),
         (["fleet", "--replicas", "2", "--load-weight", "nan"], "--load-weight must be"),
         (["fleet", "--replicas", "2", "--geometry", "nope"], "nope"),
         (["route", "--replica", "http://h:1"], "URL,EVENTS_ENDPOINT"),

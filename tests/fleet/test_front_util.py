@@ -33,10 +33,11 @@ def command(
     timeout: float = 240.0,
     program: Sequence[str] = (sys.executable, "-m", "kvreuse"),
     env: dict[str, str] | None = None,
+    seen: list[str] | None = None,
 ) -> Iterator[str]:
     """Run `python -m kvreuse ARGS` (or `program ARGS`), yield the URL from its line
     `url_line … on URL/v1`, and stop it with SIGTERM (then SIGKILL) at the end; its output is
-    kept for failures."""
+    kept for failures, and every line goes to `seen` when given."""
     proc = subprocess.Popen(
         [*program, *args],
         stdin=subprocess.DEVNULL,
@@ -55,6 +56,8 @@ def command(
         assert proc.stdout is not None
         for line in proc.stdout:
             tail.append(line.rstrip())
+            if seen is not None:
+                seen.append(line.rstrip())
             m = pattern.match(line.rstrip())
             if m and not found:
                 found.append(m.group(1))

@@ -4,8 +4,10 @@ GET  /health                 200 while at least one replica is up; 503 otherwise
 GET  /v1/models              the replicas' model
 POST /v1/completions         routed, then forwarded (SSE relayed with "stream": true)
 POST /v1/chat/completions    the same; tokenised with the replicas' chat template
-GET  /metrics                per-replica routing counters (kvreuse.fleet.front_metrics)
-GET  /fleet/replicas         each replica: url, up or down, load, event stream state
+GET  /metrics                per-replica routing counters (kvreuse.fleet.front_metrics); only
+                             on `metrics_port` when one is given
+GET  /fleet/replicas         each replica: url, up or down, load, event stream state; needs the
+                             admin token when one is configured (401 otherwise)
 
 A request is validated and tokenised exactly as a `kvreuse serve` replica does it (the same
 request models and errors, the same chat template, the same tokenizer), so the front hashes the
@@ -42,6 +44,7 @@ from kvreuse.fleet.dispatch import Dispatcher, Member, NoReplica, Routed
 from kvreuse.fleet.forward import Delivery, Unreachable, open_upstream, read_answer, relay_stream
 from kvreuse.fleet.front_metrics import FrontMetrics
 from kvreuse.serve.body import DEFAULT_MAX_BODY_BYTES, Disconnected, decode_json, read_body
+from kvreuse.serve.ops import PortSplit, api_error, check_admin
 from kvreuse.serve.protocol import (
     ApiError,
     ChatRequest,
@@ -101,11 +104,14 @@ def create_front(
     models: list[dict[str, Any]] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     health_interval: float = 2.0,
+    admin_token: str | None = None,
+    metrics_port: int | None = None,
     on_shutdown: Callable[[], None] | None = None,
 ) -> FastAPI:
-    """The front over `dispatcher`'s replicas; `models`: the cards /v1/models lists;
-    `on_shutdown`: run (in a thread) once the front has stopped serving, before its process may
-    end."""
+    """The front over `dispatcher`'s replicas; `models`: the cards /v1/models lists.
+    `admin_token`: what /fleet/replicas requires (it lists the replicas' addresses);
+    `metrics_port`: serve /metrics only on connections to that local port; `on_shutdown`: run
+    (in a thread) once the front has stopped serving, before its process may end."""
     metrics = FrontMetrics(dispatcher.status)
     for member in dispatcher.members:
         metrics.add_replica(member.name)
@@ -129,6 +135,8 @@ def create_front(
     app = FastAPI(title="kvreuse fleet", version="0.1.0", lifespan=lifespan)
     app.state.dispatcher, app.state.metrics = dispatcher, metrics
     install_errors(app)
+    if metrics_port is not None:
+        app.add_middleware(PortSplit, metrics_port=metrics_port)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -147,7 +155,8 @@ def create_front(
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/fleet/replicas")
-    async def replicas() -> JSONResponse:
+    async def replicas(http: HttpRequest) -> JSONResponse:
+        check_admin(admin_token, http)
         rows = await asyncio.to_thread(dispatcher.status)
         return JSONResponse({"policy": dispatcher.router.policy.name, "replicas": rows})
 
@@ -273,10 +282,7 @@ async def _healthy(client: httpx.AsyncClient, member: Member) -> tuple[bool, str
 def install_errors(app: FastAPI) -> None:
     """Every error as OpenAI's {"error": {...}} body: ours, unknown paths, and the unexpected."""
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_: HttpRequest, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
-
+    app.exception_handler(ApiError)(api_error)
     app.exception_handler(HTTPException)(http_error)
 
     @app.exception_handler(Exception)

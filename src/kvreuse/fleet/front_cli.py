@@ -21,6 +21,7 @@ from typing import Any
 
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT, POLICIES
 from kvreuse.fleet.serve_args import UsageError, replica_args
+from kvreuse.serve import ops_options
 from kvreuse.sim.workload_cli import int_range
 
 MAX_REPLICAS = 64
@@ -44,6 +45,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--health-interval", type=float, default=2.0, help="seconds between health checks"
     )
+    ops_options.add_arguments(p, "/fleet/replicas")
 
 
 def _add_fleet(sub: Any) -> None:
@@ -167,7 +169,8 @@ def _usage(command: str, exc: BaseException, args: argparse.Namespace | None = N
 
 
 def _open(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
-    """The dispatcher and the front's listening socket (bound first: a busy port fails fast)."""
+    """The dispatcher and the front's listening sockets (bound first: a busy port fails fast):
+    the API's, then the metrics listener's when there is one."""
     from kvreuse.fleet.dispatch import Dispatcher
     from kvreuse.serve.server import bind
 
@@ -176,12 +179,27 @@ def _open(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
             f"the replicas hash with {config.hash_algo} and a random per-process seed, so no "
             "router can compute their hashes: set hash_seed in the geometry"
         )
-    sock = bind(args.host, args.port)
+    socks = _Sockets([bind(args.host, args.port)])
     try:
-        return Dispatcher(config, args.policy, load_weight=args.load_weight), sock
+        try:
+            metrics = ops_options.bind_metrics(args)
+        except OSError as exc:
+            where = f"{args.metrics_host or args.host}:{args.metrics_port}"
+            raise UsageError(f"cannot listen on {where} ({exc.strerror}) for metrics") from None
+        if metrics is not None:
+            socks.append(metrics)
+        return Dispatcher(config, args.policy, load_weight=args.load_weight), socks
     except BaseException:
-        sock.close()
+        socks.close()
         raise
+
+
+class _Sockets(list[Any]):
+    """The front's listening sockets; `close` closes them all."""
+
+    def close(self) -> None:
+        for sock in self:
+            sock.close()
 
 
 def _serve(
@@ -190,7 +208,7 @@ def _serve(
     dispatcher: Any,
     tokenizer: Any,
     models: list[dict[str, Any]],
-    sock: Any,
+    socks: _Sockets,
     on_shutdown: Any = None,
 ) -> int:
     from kvreuse.fleet.front import create_front
@@ -201,9 +219,11 @@ def _serve(
         tokenizer,
         models=models,
         health_interval=args.health_interval,
+        admin_token=args.admin_token,
+        metrics_port=socks[1].getsockname()[1] if len(socks) > 1 else None,
         on_shutdown=on_shutdown,
     )
-    host, port = sock.getsockname()[:2]
+    host, port = socks[0].getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
     count = len(dispatcher.members)
     print(
@@ -211,7 +231,10 @@ def _serve(
         file=sys.stderr,
         flush=True,
     )
-    return run_server(app, [sock], drain_timeout=5.0)
+    if len(socks) > 1:
+        line = f"kvreuse {command}: metrics on {ops_options.metrics_url(args, socks[1])}"
+        print(line, file=sys.stderr, flush=True)
+    return run_server(app, list(socks), drain_timeout=5.0)
 
 
 # ---------------------------------------------------------------------------- checks
@@ -224,6 +247,10 @@ def _check_common(args: argparse.Namespace) -> None:
     timeout = getattr(args, "start_timeout", 1.0)
     if not (math.isfinite(timeout) and timeout > 0):
         raise UsageError(f"--start-timeout must be seconds > 0, got {timeout}")
+    args.admin_token = ops_options.admin_token(args.admin_token)
+    problem = ops_options.option_error(args)
+    if problem is not None:
+        raise UsageError(problem)
 
 
 def _fleet_deployment(args: argparse.Namespace) -> Any:
