@@ -21,7 +21,7 @@ import httpx  # noqa: E402
 from kvreuse.cli import main  # noqa: E402
 from kvreuse.deployment import resolve  # noqa: E402
 from kvreuse.fleet.dispatch import Dispatcher, NoReplica  # noqa: E402
-from kvreuse.fleet.forward import Delivery, relay_stream  # noqa: E402
+from kvreuse.fleet.forward import Delivery, Flight, GaveUp, relay_stream  # noqa: E402
 
 
 def _event(obj: object) -> bytes:
@@ -152,6 +152,10 @@ _SET = "is set by kvreuse fleet for each replica"
         ([*_FLEET, "--num-b", "9"], "--num-b (taken as --num-blocks) is an option of"),
         ([*_FLEET, "--no-such-option"], "after --: unrecognized arguments: --no-such-option"),
         ([*_FLEET, "--met", "9"], "after --: ambiguous option: --met could match"),
+        (["fleet", "--replicas", "2", "--stall-timeout", "0"], "--stall-timeout must be"),
+        (["fleet", "--replicas", "2", "--first-byte-timeout", "inf"], "--first-byte-timeout"),
+        (["route", *_ROUTE, "--answer-timeout", "nan"], "--answer-timeout must be a number"),
+        (["route", *_ROUTE, "--connect-timeout", "-1"], "--connect-timeout must be a number"),
         (["fleet", "--replicas", "2", "--metrics-port", "70000"], "--metrics-port must be a TCP"),
         (["route", *_ROUTE, "--port", "9", "--metrics-port", "9"], "--metrics-port must differ"),
         (["route", *_ROUTE, "--admin-token", " "], "--admin-token must not be empty"),
@@ -189,3 +193,28 @@ def test_a_busy_port_and_a_replica_that_cannot_start_are_one_line(
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("kvreuse fleet: replica replica-0 exited (exit code 2): ")
     assert err[-1].endswith("--max-body-bytes must be at least 1, got 0")
+
+
+def test_a_flight_gives_up_at_its_deadline_or_at_once_when_ended_and_finishes_once() -> None:
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        never = asyncio.Event()
+        got: list[Delivery] = []
+        flight = Flight("replica-0", got.append)
+        with pytest.raises(GaveUp) as late:
+            await flight.wait(never.wait, loop.time() + 0.05, "sent nothing")
+        assert (late.value.status, late.value.code) == (504, "replica_timeout")
+        waiting = asyncio.ensure_future(flight.wait(never.wait, loop.time() + 60, "sent nothing"))
+        await asyncio.sleep(0.01)
+        flight.end("no answer to a health check")
+        with pytest.raises(GaveUp) as ended:
+            await asyncio.wait_for(waiting, 5)
+        assert (ended.value.status, ended.value.code) == (502, "replica_down")
+        assert "no answer to a health check" in ended.value.message
+        with pytest.raises(GaveUp):  # and every later wait
+            await flight.wait(asyncio.sleep, loop.time() + 60, "x")
+        flight.finish(Delivery(cached_tokens=3))
+        flight.finish(Delivery(failed=True))
+        assert got == [Delivery(cached_tokens=3)]
+
+    asyncio.run(run())

@@ -4,8 +4,10 @@ agent workload driven through the official `openai` client."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -15,7 +17,9 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
+import httpx
 import pytest
 
 from kvreuse.sim.generators import agent
@@ -79,6 +83,44 @@ def command(
                 proc.kill()
                 proc.wait()
         reader.join(5)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+SLOW_SERVER = Path(__file__).parents[1] / "serve" / "slow_server.py"
+
+
+@contextmanager
+def slow_replica(drain_timeout: float = 1.0) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """A `kvreuse serve` of the fake model whose steps take 10 ms, as a child process (to be
+    frozen with SIGSTOP): yields it and its URL once /health answers; continued and killed at
+    the end whatever happened."""
+    proc = subprocess.Popen(
+        [sys.executable, str(SLOW_SERVER), str(drain_timeout)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready, "the slow server printed no port"
+        url = f"http://127.0.0.1:{proc.stdout.readline().strip()}"
+
+        def up() -> bool:
+            try:
+                return httpx.get(url + "/health", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(up, timeout=60)
+        yield proc, url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+        proc.wait(30)
         if proc.stdout is not None:
             proc.stdout.close()
 

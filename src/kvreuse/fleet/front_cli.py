@@ -20,11 +20,26 @@ from pathlib import Path
 from typing import Any
 
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT, POLICIES
+from kvreuse.fleet.deadlines import Deadlines
 from kvreuse.fleet.serve_args import UsageError, replica_args
 from kvreuse.serve import ops_options
 from kvreuse.sim.workload_cli import int_range
 
 MAX_REPLICAS = 64
+DEADLINE_OPTIONS = (  # (flag, Deadlines field, help)
+    ("--connect-timeout", "connect", "seconds to connect to a replica (then: another replica)"),
+    (
+        "--first-byte-timeout",
+        "first_byte",
+        "seconds a stream's replica may take to its first bytes (queue and prefill)",
+    ),
+    ("--stall-timeout", "stall", "longest silence, in seconds, inside a replica's stream"),
+    (
+        "--answer-timeout",
+        "answer",
+        "seconds a non-streamed answer may take in all (the whole generation)",
+    ),
+)
 
 
 def add_parser(sub: Any) -> None:
@@ -45,6 +60,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--health-interval", type=float, default=2.0, help="seconds between health checks"
     )
+    for flag, field, doc in DEADLINE_OPTIONS:
+        p.add_argument(flag, type=float, default=getattr(Deadlines, field), help=doc)
     ops_options.add_arguments(p, "/fleet/replicas")
 
 
@@ -219,6 +236,7 @@ def _serve(
         tokenizer,
         models=models,
         health_interval=args.health_interval,
+        deadlines=_deadlines(args),
         admin_token=args.admin_token,
         metrics_port=socks[1].getsockname()[1] if len(socks) > 1 else None,
         on_shutdown=on_shutdown,
@@ -237,6 +255,11 @@ def _serve(
     return run_server(app, list(socks), drain_timeout=5.0)
 
 
+def _deadlines(args: argparse.Namespace) -> Deadlines:
+    fields = (field for _, field, _ in DEADLINE_OPTIONS)
+    return Deadlines(**{field: getattr(args, field + "_timeout") for field in fields})
+
+
 # ---------------------------------------------------------------------------- checks
 def _check_common(args: argparse.Namespace) -> None:
     w = args.load_weight
@@ -248,7 +271,7 @@ def _check_common(args: argparse.Namespace) -> None:
     if not (math.isfinite(timeout) and timeout > 0):
         raise UsageError(f"--start-timeout must be seconds > 0, got {timeout}")
     args.admin_token = ops_options.admin_token(args.admin_token)
-    problem = ops_options.option_error(args)
+    problem = _deadlines(args).problem() or ops_options.option_error(args)
     if problem is not None:
         raise UsageError(problem)
 
