@@ -158,6 +158,15 @@ def create_front(
     install_errors(app)
     if metrics_port is not None:
         app.add_middleware(PortSplit, metrics_port=metrics_port)
+    _info_routes(app, front, models or [], admin_token)
+    _generation_routes(app, front, tokenizer, max_body_bytes)
+    return app
+
+
+def _info_routes(
+    app: FastAPI, front: _Front, models: list[dict[str, Any]], admin_token: str | None
+) -> None:
+    dispatcher, metrics = front.dispatcher, front.metrics
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -168,7 +177,7 @@ def create_front(
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": list(models or [])})
+        return JSONResponse({"object": "list", "data": list(models)})
 
     @app.get("/metrics")
     async def scrape() -> Response:
@@ -181,6 +190,10 @@ def create_front(
         rows = await asyncio.to_thread(dispatcher.status)
         return JSONResponse({"policy": dispatcher.router.policy.name, "replicas": rows})
 
+
+def _generation_routes(
+    app: FastAPI, front: _Front, tokenizer: Tokenizer, max_body_bytes: int
+) -> None:
     async def proxy(http: HttpRequest, path: str, chat: bool) -> Response:
         try:
             raw = await read_body(http, max_body_bytes)
@@ -196,8 +209,6 @@ def create_front(
     @app.post("/v1/chat/completions")
     async def chat(http: HttpRequest) -> Response:
         return await proxy(http, "/v1/chat/completions", chat=True)
-
-    return app
 
 
 @dataclass
