@@ -87,11 +87,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _serve_option_error(args: argparse.Namespace) -> str | None:
     """The first bad `serve` option as one line, or None."""
-    for flag, value in (("--port", args.port), ("--metrics-port", args.metrics_port)):
-        if value is not None and not 0 <= value <= 65535:
-            return f"{flag} must be a TCP port in [0, 65535], got {value}"
-    if args.metrics_port is not None and args.metrics_port == args.port != 0:
-        return "--metrics-port must differ from --port"
+    from kvreuse.serve import ops_options as ops
+
+    if not 0 <= args.port <= 65535:
+        return f"--port must be a TCP port in [0, 65535], got {args.port}"
+    problem = ops.option_error(args)
+    if problem is not None:
+        return problem
     for flag, value in (
         ("--max-pending", args.max_pending),
         ("--max-body-bytes", args.max_body_bytes),
@@ -104,8 +106,6 @@ def _serve_option_error(args: argparse.Namespace) -> str | None:
     ):
         if not num > 0:
             return f"{flag} must be a number of seconds > 0, got {num}"
-    if args.admin_token is not None and not args.admin_token.strip():
-        return "--admin-token must not be empty"
     from kvreuse.events.options import option_error
 
     return option_error(args)
@@ -113,11 +113,11 @@ def _serve_option_error(args: argparse.Namespace) -> str | None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from kvreuse.events.options import describe, open_publisher
+    from kvreuse.serve import ops_options as ops
     from kvreuse.serve.backend import default_backend, fake_backend
     from kvreuse.serve.server import bind, run_server
 
-    if args.admin_token is None:
-        args.admin_token = os.environ.get("KVREUSE_ADMIN_TOKEN") or None
+    args.admin_token = ops.admin_token(args.admin_token)
     problem = _serve_option_error(args)
     if problem is not None:
         print(f"kvreuse serve: {problem}", file=sys.stderr)
@@ -125,8 +125,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     sockets: list = []  # closed again if anything below fails
     try:
         sockets.append(bind(args.host, args.port))
-        if args.metrics_port is not None:
-            sockets.append(bind(args.metrics_host or args.host, args.metrics_port))
+        metrics = ops.bind_metrics(args)
+        if metrics is not None:
+            sockets.append(metrics)
         if args.fake:
             backend = fake_backend(args.geometry, num_blocks=args.num_blocks)
         else:
@@ -157,11 +158,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     print(
         f"kvreuse serve: {backend.name} on http://{_host(args.host)}:{ports[0]}/v1", file=sys.stderr
     )
-    if len(ports) > 1:
-        metrics_host = _host(args.metrics_host or args.host)
-        print(
-            f"kvreuse serve: metrics on http://{metrics_host}:{ports[1]}/metrics", file=sys.stderr
-        )
+    if len(sockets) > 1:
+        print(f"kvreuse serve: metrics on {ops.metrics_url(args, sockets[1])}", file=sys.stderr)
     if kv_events is not None:
         print(f"kvreuse serve: {describe(kv_events)}", file=sys.stderr)
     return run_server(app, sockets, args.drain_timeout)
@@ -203,22 +201,20 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         default=30.0,
         help="on SIGTERM, seconds running requests get to finish",
     )
-    p.add_argument(
-        "--admin-token",
-        default=None,
-        help="token /reset_prefix_cache requires (default: $KVREUSE_ADMIN_TOKEN)",
-    )
-    p.add_argument("--metrics-host", default=None, help="serve /metrics here (default: --host)")
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve /metrics on this port only (default: on the API port)",
-    )
     from kvreuse.events.options import add_arguments as add_kv_events
+    from kvreuse.serve.ops_options import add_arguments as add_operator_options
 
+    add_operator_options(p, "/reset_prefix_cache")
     add_kv_events(p)
     p.set_defaults(func=_cmd_serve)
+
+
+def serve_parser(parser_class: type[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """`kvreuse serve`'s own parser, alone, built with `parser_class`: `kvreuse fleet` asks it
+    how the options it passes on to its replicas resolve (abbreviations included)."""
+    sub = parser_class(prog="kvreuse").add_subparsers()
+    _add_serve(sub)
+    return sub.choices["serve"]
 
 
 def _cmd_qualify(args: argparse.Namespace) -> int:

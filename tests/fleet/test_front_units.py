@@ -21,7 +21,7 @@ import httpx  # noqa: E402
 from kvreuse.cli import main  # noqa: E402
 from kvreuse.deployment import resolve  # noqa: E402
 from kvreuse.fleet.dispatch import Dispatcher, NoReplica  # noqa: E402
-from kvreuse.fleet.forward import Delivery, relay_stream  # noqa: E402
+from kvreuse.fleet.forward import Delivery, Flight, GaveUp, relay_stream  # noqa: E402
 
 
 def _event(obj: object) -> bytes:
@@ -130,11 +130,35 @@ def _busy_port() -> socket.socket:
     return s
 
 
+# Were the refusal missed, the replicas would fail to start in time rather than run.
+_FLEET = ["fleet", "--replicas", "2", "--fake", "--quiet-replicas", "--start-timeout", "0.01", "--"]
+_ROUTE = ["--replica", "http://h:1,tcp://h:2"]
+_MODE = "--kv-events-mode"
+_SET = "is set by kvreuse fleet for each replica"
+
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
         (["fleet", "--replicas", "2", "--", "--port", "9"], "--port is set by kvreuse fleet"),
         (["fleet", "--replicas", "2", "--", "--geometry", "x"], "give it before --"),
+        # after --, what serve's own parser would take for a fleet option, however spelled
+        ([*_FLEET, "--kv-events-mo", "routable"], f"--kv-events-mo (taken as {_MODE}) {_SET}"),
+        ([*_FLEET, "--kv-events-mo=routable"], f"--kv-events-mo (taken as {_MODE}) {_SET}"),
+        ([*_FLEET, "--kv-events-mode=groups"], f"{_MODE} {_SET}"),
+        ([*_FLEET, "--po=9"], f"--po (taken as --port) {_SET}"),
+        ([*_FLEET, "--metrics-p", "9"], f"--metrics-p (taken as --metrics-port) {_SET}"),
+        ([*_FLEET, "--fak"], "--fak (taken as --fake) is an option of kvreuse fleet"),
+        ([*_FLEET, "--num-b", "9"], "--num-b (taken as --num-blocks) is an option of"),
+        ([*_FLEET, "--no-such-option"], "after --: unrecognized arguments: --no-such-option"),
+        ([*_FLEET, "--met", "9"], "after --: ambiguous option: --met could match"),
+        (["fleet", "--replicas", "2", "--stall-timeout", "0"], "--stall-timeout must be"),
+        (["fleet", "--replicas", "2", "--first-byte-timeout", "inf"], "--first-byte-timeout"),
+        (["route", *_ROUTE, "--answer-timeout", "nan"], "--answer-timeout must be a number"),
+        (["route", *_ROUTE, "--connect-timeout", "-1"], "--connect-timeout must be a number"),
+        (["fleet", "--replicas", "2", "--metrics-port", "70000"], "--metrics-port must be a TCP"),
+        (["route", *_ROUTE, "--port", "9", "--metrics-port", "9"], "--metrics-port must differ"),
+        (["route", *_ROUTE, "--admin-token", " "], "--admin-token must not be empty"),
         (["fleet", "--replicas", "2", "--load-weight", "nan"], "--load-weight must be"),
         (["fleet", "--replicas", "2", "--geometry", "nope"], "nope"),
         (["route", "--replica", "http://h:1"], "URL,EVENTS_ENDPOINT"),
@@ -169,3 +193,28 @@ def test_a_busy_port_and_a_replica_that_cannot_start_are_one_line(
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("kvreuse fleet: replica replica-0 exited (exit code 2): ")
     assert err[-1].endswith("--max-body-bytes must be at least 1, got 0")
+
+
+def test_a_flight_gives_up_at_its_deadline_or_at_once_when_ended_and_finishes_once() -> None:
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        never = asyncio.Event()
+        got: list[Delivery] = []
+        flight = Flight("replica-0", got.append)
+        with pytest.raises(GaveUp) as late:
+            await flight.wait(never.wait, loop.time() + 0.05, "sent nothing")
+        assert (late.value.status, late.value.code) == (504, "replica_timeout")
+        waiting = asyncio.ensure_future(flight.wait(never.wait, loop.time() + 60, "sent nothing"))
+        await asyncio.sleep(0.01)
+        flight.end("no answer to a health check")
+        with pytest.raises(GaveUp) as ended:
+            await asyncio.wait_for(waiting, 5)
+        assert (ended.value.status, ended.value.code) == (502, "replica_down")
+        assert "no answer to a health check" in ended.value.message
+        with pytest.raises(GaveUp):  # and every later wait
+            await flight.wait(asyncio.sleep, loop.time() + 60, "x")
+        flight.finish(Delivery(cached_tokens=3))
+        flight.finish(Delivery(failed=True))
+        assert got == [Delivery(cached_tokens=3)]
+
+    asyncio.run(run())

@@ -4,8 +4,10 @@ agent workload driven through the official `openai` client."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -15,7 +17,9 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
+import httpx
 import pytest
 
 from kvreuse.sim.generators import agent
@@ -33,10 +37,11 @@ def command(
     timeout: float = 240.0,
     program: Sequence[str] = (sys.executable, "-m", "kvreuse"),
     env: dict[str, str] | None = None,
+    seen: list[str] | None = None,
 ) -> Iterator[str]:
     """Run `python -m kvreuse ARGS` (or `program ARGS`), yield the URL from its line
     `url_line … on URL/v1`, and stop it with SIGTERM (then SIGKILL) at the end; its output is
-    kept for failures."""
+    kept for failures, and every line goes to `seen` when given."""
     proc = subprocess.Popen(
         [*program, *args],
         stdin=subprocess.DEVNULL,
@@ -55,6 +60,8 @@ def command(
         assert proc.stdout is not None
         for line in proc.stdout:
             tail.append(line.rstrip())
+            if seen is not None:
+                seen.append(line.rstrip())
             m = pattern.match(line.rstrip())
             if m and not found:
                 found.append(m.group(1))
@@ -76,6 +83,44 @@ def command(
                 proc.kill()
                 proc.wait()
         reader.join(5)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+SLOW_SERVER = Path(__file__).parents[1] / "serve" / "slow_server.py"
+
+
+@contextmanager
+def slow_replica(drain_timeout: float = 1.0) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """A `kvreuse serve` of the fake model whose steps take 10 ms, as a child process (to be
+    frozen with SIGSTOP): yields it and its URL once /health answers; continued and killed at
+    the end whatever happened."""
+    proc = subprocess.Popen(
+        [sys.executable, str(SLOW_SERVER), str(drain_timeout)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready, "the slow server printed no port"
+        url = f"http://127.0.0.1:{proc.stdout.readline().strip()}"
+
+        def up() -> bool:
+            try:
+                return httpx.get(url + "/health", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(up, timeout=60)
+        yield proc, url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+        proc.wait(30)
         if proc.stdout is not None:
             proc.stdout.close()
 

@@ -4,8 +4,10 @@
     kvreuse fleet --replicas 3 [--policy exact] [--geometry G] [--port 8000] [--fake] [-- SERVE…]
     kvreuse route --replica URL,EVENTS[,REPLAY] … [--geometry G] [--policy exact]
 
-Exit codes: 0 after a clean shutdown (Ctrl-C or SIGTERM), 2 for a usage error or replicas that
-could not be started, 130 for Ctrl-C while the replicas start.
+Exit codes, as `kvreuse serve`'s: on SIGTERM the front stops serving, stops its replicas (each
+drains), then ends by SIGTERM itself, as uvicorn does after a graceful shutdown so that a
+supervisor sees the signal (a shell reports 143); 130 for Ctrl-C (after the same shutdown, or
+while the replicas start); 2 for a usage error or replicas that could not be started.
 """
 
 from __future__ import annotations
@@ -18,18 +20,26 @@ from pathlib import Path
 from typing import Any
 
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT, POLICIES
+from kvreuse.fleet.deadlines import Deadlines
+from kvreuse.fleet.serve_args import UsageError, replica_args
+from kvreuse.serve import ops_options
 from kvreuse.sim.workload_cli import int_range
 
 MAX_REPLICAS = 64
-# Options `kvreuse fleet` sets on each replica itself; given after `--` they are refused.
-FLEET_OWNED: tuple[str, ...] = ("--host", "--port", "--metrics-port", "--metrics-host")
-FLEET_OWNED += ("--kv-events-endpoint", "--kv-events-replay-endpoint", "--kv-events-mode")
-# The fleet's own replica options: the front must know them (geometry, tokenizer).
-FLEET_OPTIONS = ("--geometry", "--model", "--fake", "--num-blocks", "--max-pending")
-
-
-class UsageError(ValueError):
-    """A bad option or replica; printed as one line, exit code 2."""
+DEADLINE_OPTIONS = (  # (flag, Deadlines field, help)
+    ("--connect-timeout", "connect", "seconds to connect to a replica (then: another replica)"),
+    (
+        "--first-byte-timeout",
+        "first_byte",
+        "seconds a stream's replica may take to its first bytes (queue and prefill)",
+    ),
+    ("--stall-timeout", "stall", "longest silence, in seconds, inside a replica's stream"),
+    (
+        "--answer-timeout",
+        "answer",
+        "seconds a non-streamed answer may take in all (the whole generation)",
+    ),
+)
 
 
 def add_parser(sub: Any) -> None:
@@ -50,6 +60,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--health-interval", type=float, default=2.0, help="seconds between health checks"
     )
+    for flag, field, doc in DEADLINE_OPTIONS:
+        p.add_argument(flag, type=float, default=getattr(Deadlines, field), help=doc)
+    ops_options.add_arguments(p, "/fleet/replicas")
 
 
 def _add_fleet(sub: Any) -> None:
@@ -108,7 +121,7 @@ def _cmd_fleet(args: argparse.Namespace) -> int:
 
     try:
         _check_common(args)
-        serve_args = _replica_args(args)
+        serve_args = replica_args(args)
         config = _fleet_deployment(args).cache
         tokenizer = _tokenizer(args.model, None)
         dispatcher, sock = _open(args, config)
@@ -130,7 +143,9 @@ def _cmd_fleet(args: argparse.Namespace) -> int:
             member.url = proc.url
             dispatcher.set_replay(member, proc.replay_endpoint)
         models = _check_replicas(dispatcher, config, required=True)
-        return _serve("fleet", args, dispatcher, tokenizer, models, sock)
+        # the replicas stop while the front shuts down: after a SIGTERM, which uvicorn re-raises
+        # once the server is down, there is no later moment
+        return _serve("fleet", args, dispatcher, tokenizer, models, sock, fleet.stop)
     except (ReplicaError, UsageError) as exc:
         sock.close()
         return _usage("fleet", exc)
@@ -171,7 +186,8 @@ def _usage(command: str, exc: BaseException, args: argparse.Namespace | None = N
 
 
 def _open(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
-    """The dispatcher and the front's listening socket (bound first: a busy port fails fast)."""
+    """The dispatcher and the front's listening sockets (bound first: a busy port fails fast):
+    the API's, then the metrics listener's when there is one."""
     from kvreuse.fleet.dispatch import Dispatcher
     from kvreuse.serve.server import bind
 
@@ -180,12 +196,27 @@ def _open(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
             f"the replicas hash with {config.hash_algo} and a random per-process seed, so no "
             "router can compute their hashes: set hash_seed in the geometry"
         )
-    sock = bind(args.host, args.port)
+    socks = _Sockets([bind(args.host, args.port)])
     try:
-        return Dispatcher(config, args.policy, load_weight=args.load_weight), sock
+        try:
+            metrics = ops_options.bind_metrics(args)
+        except OSError as exc:
+            where = f"{args.metrics_host or args.host}:{args.metrics_port}"
+            raise UsageError(f"cannot listen on {where} ({exc.strerror}) for metrics") from None
+        if metrics is not None:
+            socks.append(metrics)
+        return Dispatcher(config, args.policy, load_weight=args.load_weight), socks
     except BaseException:
-        sock.close()
+        socks.close()
         raise
+
+
+class _Sockets(list[Any]):
+    """The front's listening sockets; `close` closes them all."""
+
+    def close(self) -> None:
+        for sock in self:
+            sock.close()
 
 
 def _serve(
@@ -194,13 +225,23 @@ def _serve(
     dispatcher: Any,
     tokenizer: Any,
     models: list[dict[str, Any]],
-    sock: Any,
+    socks: _Sockets,
+    on_shutdown: Any = None,
 ) -> int:
     from kvreuse.fleet.front import create_front
     from kvreuse.serve.server import run_server
 
-    app = create_front(dispatcher, tokenizer, models=models, health_interval=args.health_interval)
-    host, port = sock.getsockname()[:2]
+    app = create_front(
+        dispatcher,
+        tokenizer,
+        models=models,
+        health_interval=args.health_interval,
+        deadlines=_deadlines(args),
+        admin_token=args.admin_token,
+        metrics_port=socks[1].getsockname()[1] if len(socks) > 1 else None,
+        on_shutdown=on_shutdown,
+    )
+    host, port = socks[0].getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
     count = len(dispatcher.members)
     print(
@@ -208,7 +249,15 @@ def _serve(
         file=sys.stderr,
         flush=True,
     )
-    return run_server(app, [sock], drain_timeout=5.0)
+    if len(socks) > 1:
+        line = f"kvreuse {command}: metrics on {ops_options.metrics_url(args, socks[1])}"
+        print(line, file=sys.stderr, flush=True)
+    return run_server(app, list(socks), drain_timeout=5.0)
+
+
+def _deadlines(args: argparse.Namespace) -> Deadlines:
+    fields = (field for _, field, _ in DEADLINE_OPTIONS)
+    return Deadlines(**{field: getattr(args, field + "_timeout") for field in fields})
 
 
 # ---------------------------------------------------------------------------- checks
@@ -221,28 +270,10 @@ def _check_common(args: argparse.Namespace) -> None:
     timeout = getattr(args, "start_timeout", 1.0)
     if not (math.isfinite(timeout) and timeout > 0):
         raise UsageError(f"--start-timeout must be seconds > 0, got {timeout}")
-
-
-def _replica_args(args: argparse.Namespace) -> list[str]:
-    """What every replica gets: the fleet's replica options, then those after `--`."""
-    for arg in args.serve_args:
-        flag = arg.split("=", 1)[0]
-        if flag in FLEET_OWNED:
-            raise UsageError(f"{flag} is set by kvreuse fleet for each replica; leave it out")
-        if flag in FLEET_OPTIONS:
-            raise UsageError(f"{flag} is an option of kvreuse fleet: give it before --")
-    out: list[str] = []
-    if args.geometry is not None:
-        out += ["--geometry", args.geometry]
-    if args.model is not None:
-        out += ["--model", args.model]
-    if args.fake:
-        out.append("--fake")
-    if args.num_blocks is not None:
-        out += ["--num-blocks", str(args.num_blocks)]
-    if args.max_pending is not None:
-        out += ["--max-pending", str(args.max_pending)]
-    return out + list(args.serve_args)
+    args.admin_token = ops_options.admin_token(args.admin_token)
+    problem = _deadlines(args).problem() or ops_options.option_error(args)
+    if problem is not None:
+        raise UsageError(problem)
 
 
 def _fleet_deployment(args: argparse.Namespace) -> Any:

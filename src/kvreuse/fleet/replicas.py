@@ -8,7 +8,9 @@ guessed and none can be taken by someone else in between.
 
 Lifetime: a replica dies with the front. It is stopped with SIGTERM (its graceful drain), then
 SIGKILL after `stop_timeout`; on Linux it also gets SIGTERM from the kernel when the front dies
-without stopping it (PR_SET_PDEATHSIG), so even a killed front leaves no orphan.
+without stopping it (PR_SET_PDEATHSIG), so even a killed front leaves no orphan. A replica that
+exits by itself (or is killed) is reaped as soon as its output ends, and says so in a line
+`[replica-i] exited (exit code N)`: no zombie waits for the front to exit.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class ReplicaProcess:
         self.tail: collections.deque[str] = collections.deque(maxlen=20)
         self._opened = threading.Event()
         self._ended = False
+        self._stopping = False
         self._reader: threading.Thread | None = None
 
     def command(self) -> list[str]:
@@ -128,12 +131,18 @@ class ReplicaProcess:
                     self.events_bound, self.replay_endpoint = m.group(1), m.group(2)
                 if self.url is not None and self.replay_endpoint is not None:
                     self._opened.set()
-            if not self.quiet and not _HEALTH_LINE.search(line):
-                out = self.echo or sys.stderr
-                with contextlib.suppress(ValueError, OSError):  # the front's stream closed
-                    print(f"[{self.name}] {line}", file=out, flush=True)
+            if not _HEALTH_LINE.search(line):
+                self._echo(line)
         self._ended = True
         self._opened.set()  # the process ended: whoever waits must look at it
+        code = self.proc.wait()  # its output ends as it exits: reap it now, not at the front's end
+        if not self._stopping:
+            self._echo(f"exited (exit code {code})")
+
+    def _echo(self, line: str) -> None:
+        if not self.quiet:
+            with contextlib.suppress(ValueError, OSError):  # the front's stream closed
+                print(f"[{self.name}] {line}", file=self.echo or sys.stderr, flush=True)
 
     def wait_ready(self, deadline: float) -> None:
         """Wait until the replica has opened its sockets and `/health` answers 200 (before the
@@ -169,14 +178,20 @@ class ReplicaProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def terminate(self) -> None:
+        """SIGTERM, if it runs: the replica drains and exits."""
+        self._stopping = True
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM (the replica drains), then SIGKILL after `timeout` seconds."""
         proc = self.proc
         if proc is None:
             return
         if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -209,9 +224,6 @@ class LocalFleet:
 
     def stop(self, timeout: float = 10.0) -> None:
         for replica in self.replicas:  # every one drains at once
-            proc = replica.proc
-            if proc is not None and proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGTERM)
+            replica.terminate()
         for replica in self.replicas:
             replica.stop(timeout)

@@ -23,7 +23,6 @@ names the stream's incarnation (`x-kvreuse-kv-events-instance`, and `kv_events_i
 from __future__ import annotations
 
 import asyncio
-import hmac
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -34,10 +33,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvreuse.deployment import geometry_toml
-from kvreuse.events.common import INSTANCE_HEADER
 from kvreuse.serve.backend import Backend
 from kvreuse.serve.body import DEFAULT_MAX_BODY_BYTES, Disconnected, decode_json, read_body
 from kvreuse.serve.generate import Gen, check_model, check_prompt_length, prepare, run, submit
@@ -45,6 +42,7 @@ from kvreuse.serve.lifecycle import Lifecycle
 from kvreuse.serve.loop import EngineLoop, EventSink, Unavailable
 from kvreuse.serve.metrics import new_registry, take_snapshot
 from kvreuse.serve.openapi import error_responses, install_openapi, request_body
+from kvreuse.serve.ops import InstanceHeader, PortSplit, api_error, check_admin
 from kvreuse.serve.protocol import (
     ApiError,
     ChatRequest,
@@ -55,8 +53,6 @@ from kvreuse.serve.protocol import (
     render_chat,
 )
 from kvreuse.serve.stream import GuardedStream, message, sse
-
-METRICS_ONLY = ("/metrics", "/health")  # what the separate metrics listener serves
 
 
 def create_app(
@@ -92,10 +88,10 @@ def create_app(
     app.state.kv_events = kv_events
     _install_errors(app)
     if metrics_port is not None:
-        app.add_middleware(_PortSplit, metrics_port=metrics_port)
+        app.add_middleware(PortSplit, metrics_port=metrics_port)
     instance = getattr(kv_events, "instance_id", None)
     if instance is not None:
-        app.add_middleware(_InstanceHeader, instance=str(instance))
+        app.add_middleware(InstanceHeader, instance=str(instance))
     _info_routes(app, engine, backend, life, instance)
     _admin_routes(app, engine, admin_token)
     opts = _GenOptions(max_body_bytes, force_include_usage, stream_stall_timeout)
@@ -156,7 +152,7 @@ def _admin_routes(app: FastAPI, engine: EngineLoop, admin_token: str | None) -> 
 
     @app.post("/reset_prefix_cache", responses=error_responses(401, 409, 503))
     async def reset(http: HttpRequest) -> JSONResponse:
-        _check_admin(admin_token, http)
+        check_admin(admin_token, http)
         if not await engine.call(_reset):
             raise ApiError(
                 409,
@@ -198,10 +194,7 @@ def _generation_routes(
 
 
 def _install_errors(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def _api_error(_: HttpRequest, exc: ApiError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+    app.exception_handler(ApiError)(api_error)
 
     @app.exception_handler(Unavailable)
     async def _unavailable(_: HttpRequest, exc: Unavailable) -> JSONResponse:
@@ -209,62 +202,6 @@ def _install_errors(app: FastAPI) -> None:
         return JSONResponse(err.body(), status_code=503)
 
     app.exception_handler(HTTPException)(http_error)
-
-
-class _PortSplit:
-    """ASGI middleware: on the metrics listener only METRICS_ONLY; elsewhere no /metrics."""
-
-    def __init__(self, app: ASGIApp, metrics_port: int) -> None:
-        self.app = app
-        self.metrics_port = metrics_port
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            server = scope.get("server")
-            on_metrics = server is not None and server[1] == self.metrics_port
-            path = scope["path"]
-            if (path == "/metrics" and not on_metrics) or (on_metrics and path not in METRICS_ONLY):
-                err = ApiError(404, f"no such endpoint on this port: {path}", code="not_found")
-                await JSONResponse(err.body(), status_code=404)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class _InstanceHeader:
-    """ASGI middleware: every response names the KV event stream's incarnation."""
-
-    def __init__(self, app: ASGIApp, instance: str) -> None:
-        self.app = app
-        self.header = (INSTANCE_HEADER.encode(), instance.encode())
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def named(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), self.header]}
-            await send(message)
-
-        await self.app(scope, receive, named)
-
-
-def _check_admin(token: str | None, http: HttpRequest) -> None:
-    if token is None:
-        return
-    given = http.headers.get("authorization", "")
-    scheme, _, value = given.partition(" ")
-    ok = scheme.lower() == "bearer" and hmac.compare_digest(
-        value.strip().encode("utf-8", "surrogateescape"), token.encode("utf-8")
-    )
-    if not ok:
-        raise ApiError(
-            401,
-            "this endpoint needs the admin token: send 'Authorization: Bearer <token>'",
-            type="authentication_error",
-            code="invalid_admin_token",
-        )
 
 
 def _reset(backend: Backend) -> bool:
