@@ -45,6 +45,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
 
+from kvreuse.events.common import INSTANCE_HEADER
 from kvreuse.fleet.deadlines import Deadlines
 from kvreuse.fleet.dispatch import Dispatcher, Member, NoReplica, Routed
 from kvreuse.fleet.forward import (
@@ -77,6 +78,8 @@ log = logging.getLogger("kvreuse.fleet")
 
 REPLICA_HEADER = "x-kvreuse-replica"
 PREDICTED_HEADER = "x-kvreuse-predicted-cached-tokens"
+# "true" when the prediction came from an exact mirror of the very process that answered
+MIRROR_EXACT_HEADER = "x-kvreuse-mirror-exact"
 # The client's own timeouts: no read timeout, since how long a read may wait depends on where the
 # answer is (the front's deadlines bound it); the Ray ingress uses these as they are.
 TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=60.0, pool=None)
@@ -254,6 +257,7 @@ async def _forward(front: _Front, req: FrontRequest, path: str) -> Response:
     headers = {REPLICA_HEADER: member.name}
     if routed.predicted is not None:
         headers[PREDICTED_HEADER] = str(routed.predicted)
+        headers[MIRROR_EXACT_HEADER] = "true" if await _confirm(front, routed, resp) else "false"
     try:
         if req.stream and resp.status_code == 200:
             return await _stream(front, flight, resp, req, head_by, headers)
@@ -269,6 +273,15 @@ async def _forward(front: _Front, req: FrontRequest, path: str) -> Response:
     flight.finish(delivery)
     kind = resp.headers.get("content-type", "application/json")
     return Response(content, status_code=resp.status_code, media_type=kind, headers=headers)
+
+
+async def _confirm(front: _Front, routed: Routed, resp: httpx.Response) -> bool:
+    """Whether the prediction came from an exact mirror of the process that answered: a
+    replica that names another incarnation than the mirror followed has restarted."""
+    announced = resp.headers.get(INSTANCE_HEADER)
+    if announced is None or announced == routed.instance:
+        return routed.exact
+    return await asyncio.to_thread(front.dispatcher.confirm, routed, announced)
 
 
 async def _route(front: _Front, req: FrontRequest, rid: str, tried: frozenset[int]) -> Routed:
@@ -340,9 +353,11 @@ async def _health_loop(front: _Front, every: float) -> None:
         await asyncio.sleep(every)
         try:
             for member in list(dispatcher.members):
-                ok, why, answered = await _healthy(front.client, member)
+                ok, why, answered, instance = await _healthy(front.client, member)
                 if not answered and (ended := front.flights.end(member.name, why)):
                     log.warning("fleet: ended %d request(s) on %s: %s", ended, member.name, why)
+                if instance is not None:  # a restart between two checks shows here
+                    await asyncio.to_thread(dispatcher.observe, member, instance)
                 if member.up and not ok:
                     dispatcher.mark_down(member, why)
                 elif not member.up and ok:
@@ -352,17 +367,18 @@ async def _health_loop(front: _Front, every: float) -> None:
             log.error("fleet health check failed: %s: %s", type(exc).__name__, exc)
 
 
-async def _healthy(client: httpx.AsyncClient, member: Member) -> tuple[bool, str, bool]:
-    """(healthy, why not, whether it answered in time: a refused connection answers too)."""
+async def _healthy(client: httpx.AsyncClient, member: Member) -> tuple[bool, str, bool, str | None]:
+    """(healthy, why not, whether it answered in time: a refused connection answers too, the
+    incarnation of its KV event stream it named)."""
     try:
         resp = await client.get(f"{member.url}/health", timeout=HEALTH_TIMEOUT)
     except httpx.TimeoutException as exc:
-        return False, f"no answer to a health check in {HEALTH_TIMEOUT:g} s ({exc!r})", False
+        return False, f"no answer to a health check in {HEALTH_TIMEOUT:g} s ({exc!r})", False, None
     except httpx.HTTPError as exc:
-        return False, f"health check failed: {type(exc).__name__}: {exc}", True
+        return False, f"health check failed: {type(exc).__name__}: {exc}", True, None
     if resp.status_code != 200:
-        return False, f"health check answered {resp.status_code}", True
-    return True, "", True
+        return False, f"health check answered {resp.status_code}", True, None
+    return True, "", True, resp.headers.get(INSTANCE_HEADER)
 
 
 def install_errors(app: FastAPI) -> None:

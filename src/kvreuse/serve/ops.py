@@ -1,5 +1,6 @@
 """Operator controls that `kvreuse serve` and the fleet front share, as ASGI pieces: a separate
-listener for `/metrics` (`PortSplit`) and the admin token (`check_admin`); their options are in
+listener for `/metrics` (`PortSplit`), the admin token (`check_admin`) and the KV event stream's
+incarnation on every response (`InstanceHeader`); their options are in
 `kvreuse.serve.ops_options`.
 """
 
