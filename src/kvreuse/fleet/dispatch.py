@@ -59,6 +59,7 @@ class Member:
     tokens_in_flight: int = 0
     finished_since_sync: bool = False
     catch_up_paused_until: float = 0.0
+    curve_public_key: str | None = None
     subscriber: Subscriber = field(default_factory=Subscriber, repr=False)
 
 
@@ -106,13 +107,16 @@ class Dispatcher:
         *,
         replay_endpoint: str | None = None,
         bind: bool | None = None,
+        curve_public_key: str | None = None,
     ) -> Member:
         """Follow a replica's KV events at `endpoint` (a wildcard binds, a specific address
-        connects; `bind` overrides) and route to it at `url` (filled in later when unknown)."""
+        connects; `bind` overrides) and route to it at `url` (filled in later when unknown).
+        `curve_public_key`: its publisher's CURVE key; then nothing else reaches its sockets."""
         with self._lock:
             if any(m.name == name for m in self.members):
                 raise ValueError(f"replica {name!r} is given twice")
             member = Member(len(self.members), name, url.rstrip("/"), endpoint, bind)
+            member.curve_public_key = curve_public_key
             mirror = self._subscribe(member)
             self.router.add_replica(name, mirror)
             self.members.append(member)
@@ -123,7 +127,11 @@ class Dispatcher:
     def _subscribe(self, member: Member) -> ReplicaMirror:
         sub = Subscriber(replay_timeout=self.replay_timeout)
         mirror = sub.add_replica(
-            member.name, self.router.geometry, member.endpoint, bind=member.bind
+            member.name,
+            self.router.geometry,
+            member.endpoint,
+            bind=member.bind,
+            curve_public_key=member.curve_public_key,
         )
         if member.bind is not False and member.endpoint.endswith(":0"):
             member.endpoint = sub.bound_endpoint(member.name)

@@ -2,7 +2,7 @@
 (the front over replicas started elsewhere). docs/fleet-serving.md has the guide.
 
     kvreuse fleet --replicas 3 [--policy exact] [--geometry G] [--port 8000] [--fake] [-- SERVE…]
-    kvreuse route --replica URL,EVENTS[,REPLAY] … [--geometry G] [--policy exact]
+    kvreuse route --replica URL,EVENTS[,REPLAY[,KEY]] … [--geometry G] [--policy exact]
 
 Exit codes, as `kvreuse serve`'s: on SIGTERM the front stops serving, stops its replicas (each
 drains), then ends by SIGTERM itself, as uvicorn does after a graceful shutdown so that a
@@ -21,7 +21,7 @@ from typing import Any
 
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT, POLICIES
 from kvreuse.fleet.deadlines import Deadlines
-from kvreuse.fleet.serve_args import UsageError, replica_args
+from kvreuse.fleet.serve_args import UsageError, replica_args, replica_spec
 from kvreuse.serve import ops_options
 from kvreuse.sim.workload_cli import int_range
 
@@ -101,9 +101,10 @@ def _add_route(sub: Any) -> None:
         "--replica",
         action="append",
         required=True,
-        metavar="URL,EVENTS[,REPLAY]",
+        metavar="URL,EVENTS[,REPLAY[,CURVE_KEY]]",
         help="a replica's base URL (http://host:port), its KV events endpoint and optionally "
-        "its replay endpoint; repeat per replica",
+        "its replay endpoint and its publisher's CURVE public key (Z85 or a zmq certificate "
+        "file); repeat per replica",
     )
     _common(p)
     p.add_argument(
@@ -127,13 +128,20 @@ def _cmd_fleet(args: argparse.Namespace) -> int:
         dispatcher, sock = _open(args, config)
     except (UsageError, ValueError, OSError) as exc:
         return _usage("fleet", exc, args)
+    from kvreuse.events.common import SECRET_ENV
+    from kvreuse.events.curve import generate
+
     names = [f"replica-{i}" for i in range(args.replicas)]
+    keys = [generate() for _ in names]  # CURVE: no one but replica i reaches its sockets here
     members = [
-        dispatcher.add(n, "", "tcp://127.0.0.1:0", bind=True) for n in names
+        dispatcher.add(n, "", "tcp://127.0.0.1:0", bind=True, curve_public_key=k.public)
+        for n, k in zip(names, keys, strict=True)
     ]  # bound before the replicas start: their publishers connect here
     procs = [
-        ReplicaProcess(n, m.endpoint, serve_args, quiet=args.quiet_replicas)
-        for n, m in zip(names, members, strict=True)
+        ReplicaProcess(
+            n, m.endpoint, serve_args, quiet=args.quiet_replicas, env={SECRET_ENV: k.secret}
+        )
+        for n, m, k in zip(names, members, keys, strict=True)
     ]
     fleet = LocalFleet(procs)
     try:
@@ -157,8 +165,8 @@ def _cmd_fleet(args: argparse.Namespace) -> int:
 def _cmd_route(args: argparse.Namespace) -> int:
     try:
         _check_common(args)
-        replicas = [_replica_spec(text) for text in args.replica]
-        if len({url for url, _, _ in replicas}) < len(replicas):
+        replicas = [replica_spec(text) for text in args.replica]
+        if len({spec[0] for spec in replicas}) < len(replicas):
             raise UsageError("--replica: a URL is given twice")
         config = _route_deployment(args.geometry, replicas[0][0]).cache
         tokenizer = _tokenizer(None, args.tokenizer)
@@ -166,8 +174,10 @@ def _cmd_route(args: argparse.Namespace) -> int:
     except (UsageError, ValueError, OSError) as exc:
         return _usage("route", exc, args)
     try:
-        for i, (url, events, replay) in enumerate(replicas):
-            dispatcher.add(f"replica-{i}", url, events, replay_endpoint=replay)
+        for i, (url, events, replay, key) in enumerate(replicas):
+            dispatcher.add(
+                f"replica-{i}", url, events, replay_endpoint=replay, curve_public_key=key
+            )
         models = _check_replicas(dispatcher, config, required=False)
         return _serve("route", args, dispatcher, tokenizer, models, sock)
     except (UsageError, ValueError) as exc:
@@ -360,22 +370,6 @@ def _check_replicas(dispatcher: Any, config: Any, required: bool) -> list[dict[s
             except (httpx.HTTPError, ValueError, AttributeError):
                 pass
     return models
-
-
-def _replica_spec(text: str) -> tuple[str, str, str | None]:
-    from kvreuse.events.common import endpoint_problem
-
-    parts = text.split(",")
-    if len(parts) not in (2, 3) or not all(parts):
-        raise UsageError(f"--replica must be URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT], got {text!r}")
-    url, events = parts[0].rstrip("/"), parts[1]
-    if not url.startswith(("http://", "https://")):
-        raise UsageError(f"--replica: the URL must start with http:// or https://, got {url!r}")
-    for endpoint in parts[1:]:
-        problem = endpoint_problem(endpoint)
-        if problem is not None:
-            raise UsageError(f"--replica {text}: {problem}, got {endpoint!r}")
-    return url, events, parts[2] if len(parts) == 3 else None
 
 
 def _tokenizer(model: str | None, path: str | None) -> Any:

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TextIO
 
 import httpx
@@ -68,8 +68,10 @@ class ReplicaProcess:
         replay_endpoint: str = "tcp://127.0.0.1:0",
         echo: TextIO | None = None,
         quiet: bool = False,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.name = name
+        self.env = dict(env or {})  # added to the front's environment (a key, never an argv)
         self.events_endpoint = events_endpoint
         self.replay_request = replay_endpoint
         self.serve_args = list(serve_args)
@@ -105,7 +107,7 @@ class ReplicaProcess:
     def start(self) -> None:
         """Start the process (from the main thread: the death signal follows the thread that
         started the child)."""
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         self.proc = subprocess.Popen(
             self.command(),
             stdin=subprocess.DEVNULL,

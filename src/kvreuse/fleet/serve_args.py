@@ -1,5 +1,6 @@
 """What `kvreuse fleet` passes to each of its `kvreuse serve` replicas: its own replica options
-(which the front must know too), then the options after `--`, checked by serve's own parser.
+(which the front must know too), then the options after `--`, checked by serve's own parser;
+and what `kvreuse route` reads of a replica started elsewhere (`replica_spec`).
 
 The check asks `kvreuse serve`'s parser (`kvreuse.cli.serve_parser`) which options the words
 after `--` set, so an abbreviation (`--kv-events-mo`, which serve's argparse takes for
@@ -15,6 +16,7 @@ from typing import NoReturn
 # Options `kvreuse fleet` sets on each replica itself; given after `--` they are refused.
 FLEET_OWNED: tuple[str, ...] = ("--host", "--port", "--metrics-port", "--metrics-host")
 FLEET_OWNED += ("--kv-events-endpoint", "--kv-events-replay-endpoint", "--kv-events-mode")
+FLEET_OWNED += ("--kv-events-curve-secret-key",)  # each replica's own, from the front
 # The fleet's own replica options: the front must know them (geometry, tokenizer).
 FLEET_OPTIONS = ("--geometry", "--model", "--fake", "--num-blocks", "--max-pending")
 SERVE_HELP = "kvreuse serve --help lists the replicas' options"
@@ -86,3 +88,31 @@ def replica_args(args: argparse.Namespace) -> list[str]:
     if args.max_pending is not None:
         out += ["--max-pending", str(args.max_pending)]
     return out + list(args.serve_args)
+
+
+def replica_spec(text: str) -> tuple[str, str, str | None, str | None]:
+    """URL, events and replay endpoints, and the publisher's CURVE public key (a Z85 key or a
+    zmq certificate file) of one --replica."""
+    from kvreuse.events.common import endpoint_problem
+
+    parts = text.split(",")
+    if not 2 <= len(parts) <= 4 or not all(parts[:2]) or (len(parts) == 4 and not parts[2]):
+        raise UsageError(
+            f"--replica must be URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT[,CURVE_KEY]], got {text!r}"
+        )
+    url, events = parts[0].rstrip("/"), parts[1]
+    if not url.startswith(("http://", "https://")):
+        raise UsageError(f"--replica: the URL must start with http:// or https://, got {url!r}")
+    for endpoint in parts[1:3]:
+        problem = endpoint_problem(endpoint)
+        if problem is not None:
+            raise UsageError(f"--replica {text}: {problem}, got {endpoint!r}")
+    key = None
+    if len(parts) == 4:
+        from kvreuse.events.curve import read_key
+
+        try:
+            key = read_key(parts[3], "public-key")
+        except ValueError as exc:
+            raise UsageError(f"--replica {url}: CURVE key: {exc}") from None
+    return url, events, parts[2] if len(parts) >= 3 else None, key
