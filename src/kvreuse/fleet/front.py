@@ -12,8 +12,10 @@ GET  /fleet/replicas         each replica: url, up or down, load, event stream s
 A request is validated and tokenised exactly as a `kvreuse serve` replica does it (the same
 request models and errors, the same chat template, the same tokenizer), so the front hashes the
 very tokens the replica will look up. It is routed (`Dispatcher.route`), forwarded with httpx,
-and answered as the replica answered, with two headers added: `x-kvreuse-replica` (where it
-went) and `x-kvreuse-predicted-cached-tokens` (the policy's prediction, when it makes one).
+and answered as the replica answered, with headers added: `x-kvreuse-replica` (where it
+went) and, when the policy predicts, `x-kvreuse-predicted-cached-tokens` and
+`x-kvreuse-mirror-exact` (whether the prediction came from an exact mirror of the very process
+that answered, which a kvreuse replica names in every response).
 
 Failures: a replica that cannot be reached is marked down and the request goes to another
 (nothing was sent); a replica that fails once the request is sent fails only that request, with
