@@ -170,51 +170,11 @@ def _host(host: str) -> str:
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from kvreuse.serve.options import add_arguments
+
     p = sub.add_parser("serve", help="OpenAI-compatible server with exact cached-token usage")
-    p.add_argument("--model", default=None, help="model directory (default: the embedded tiny)")
-    p.add_argument("--geometry", default=None, help="geometry preset name or TOML file")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
-    p.add_argument("--num-blocks", type=int, default=None, help="override the cache size")
-    p.add_argument("--max-pending", type=int, default=256, help="requests in flight before 429")
-    p.add_argument("--fake", action="store_true", help="deterministic fake model (no torch)")
-    p.add_argument(
-        "--force-include-usage",
-        action="store_true",
-        help="end every stream with a usage chunk, asked for or not",
-    )
-    p.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=8 * 1024 * 1024,
-        help="largest request body (413 beyond; default 8 MiB)",
-    )
-    p.add_argument(
-        "--stream-stall-timeout",
-        type=float,
-        default=30.0,
-        help="seconds a stream may wait for a client that stopped reading",
-    )
-    p.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=30.0,
-        help="on SIGTERM, seconds running requests get to finish",
-    )
-    from kvreuse.events.options import add_arguments as add_kv_events
-    from kvreuse.serve.ops_options import add_arguments as add_operator_options
-
-    add_operator_options(p, "/reset_prefix_cache")
-    add_kv_events(p)
+    add_arguments(p)
     p.set_defaults(func=_cmd_serve)
-
-
-def serve_parser(parser_class: type[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    """`kvreuse serve`'s own parser, alone, built with `parser_class`: `kvreuse fleet` asks it
-    how the options it passes on to its replicas resolve (abbreviations included)."""
-    sub = parser_class(prog="kvreuse").add_subparsers()
-    _add_serve(sub)
-    return sub.choices["serve"]
 
 
 def _cmd_qualify(args: argparse.Namespace) -> int:

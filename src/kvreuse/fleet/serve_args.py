@@ -2,8 +2,8 @@
 (which the front must know too), then the options after `--`, checked by serve's own parser;
 and what `kvreuse route` reads of a replica started elsewhere (`replica_spec`).
 
-The check asks `kvreuse serve`'s parser (`kvreuse.cli.serve_parser`) which options the words
-after `--` set, so an abbreviation (`--kv-events-mo`, which serve's argparse takes for
+The check asks `kvreuse serve`'s parser (`kvreuse.serve.options.serve_parser`) which options
+the words after `--` set, so an abbreviation (`--kv-events-mo`, which serve's argparse takes for
 `--kv-events-mode`) or an `--opt=value` form is judged exactly as the replica will read it,
 and a word the replica would refuse is one line from the fleet before any replica starts.
 """
@@ -42,7 +42,7 @@ class _Probe(argparse.ArgumentParser):
 def given_serve_options(serve_args: list[str]) -> set[str]:
     """The destinations of the serve options that `serve_args` set, as serve's parser reads
     them; UsageError for words it would refuse."""
-    from kvreuse.cli import serve_parser
+    from kvreuse.serve.options import serve_parser
 
     parser = serve_parser(_Probe)
     unset = object()

@@ -1,0 +1,56 @@
+"""`kvreuse serve`'s options, apart from the command (`kvreuse.cli`), so that `kvreuse fleet`
+can ask serve's own parser how the options it passes on to its replicas resolve. Needs none of
+the server's packages.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from kvreuse.events.options import add_arguments as add_kv_events
+from kvreuse.serve.ops_options import add_arguments as add_operator_options
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Every option of `kvreuse serve`."""
+    p.add_argument("--model", default=None, help="model directory (default: the embedded tiny)")
+    p.add_argument("--geometry", default=None, help="geometry preset name or TOML file")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
+    p.add_argument("--num-blocks", type=int, default=None, help="override the cache size")
+    p.add_argument("--max-pending", type=int, default=256, help="requests in flight before 429")
+    p.add_argument("--fake", action="store_true", help="deterministic fake model (no torch)")
+    p.add_argument(
+        "--force-include-usage",
+        action="store_true",
+        help="end every stream with a usage chunk, asked for or not",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=8 * 1024 * 1024,
+        help="largest request body (413 beyond; default 8 MiB)",
+    )
+    p.add_argument(
+        "--stream-stall-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a stream may wait for a client that stopped reading",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds running requests get to finish",
+    )
+    add_operator_options(p, "/reset_prefix_cache")
+    add_kv_events(p)
+
+
+def serve_parser(parser_class: type[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """`kvreuse serve`'s own parser, alone, built with `parser_class`: `kvreuse fleet` asks it
+    how the options it passes on to its replicas resolve (abbreviations included)."""
+    sub = parser_class(prog="kvreuse").add_subparsers()
+    p = sub.add_parser("serve")
+    add_arguments(p)
+    return p
