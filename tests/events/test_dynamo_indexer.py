@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,9 +26,19 @@ for _name in ("fastapi", "uvicorn", "httpx"):
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS / "dynamo"))  # not benchmarks/ itself: its ray/ would shadow ray
 
-from dynamo_live import DYNAMO_PYTHON, SETUP, dynamo_following, dynamo_rows, scripted_backend  # noqa: E402
+from dynamo_live import (  # noqa: E402
+    DYNAMO_PYTHON,
+    SETUP,
+    DynamoIndexer,
+    dynamo_following,
+    dynamo_rows,
+    scripted_backend,
+)
 
+from kvreuse.core import CacheConfig, GroupSpec, KVCacheManager, Request  # noqa: E402
 from kvreuse.deployment import resolve  # noqa: E402
+from kvreuse.events import Converter, Publisher  # noqa: E402
+from kvreuse.events.wire import EventBatch, encode_batch  # noqa: E402
 from kvreuse.sim.generators import agent, shared_prefix  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location(
@@ -98,3 +109,47 @@ def test_routable_is_never_worse_than_groups_on_a_sparse_hybrid(evicts: bool) ->
         total[mode] = sum(abs(r.predicted - r.cached) for r in rows)
     assert total["routable"] <= total["groups"]
     assert (total["routable"] < total["groups"]) == evicts
+
+
+def test_dynamo_repairs_a_lost_batch_through_kvreuse_replay() -> None:
+    """A batch kept in the replay buffer but never sent on the stream: Dynamo sees the gap at
+    the next batch and asks the replay socket, whose answer must be vLLM's to the byte (it
+    ignored an answer whose end marker carried anything in its last frame)."""
+    cfg = CacheConfig(num_blocks=256, groups=[GroupSpec(kind="full", block_size=16)])
+    mgr = KVCacheManager(cfg)
+    converter = Converter(cfg.geometry)
+
+    def run(rid: str, tokens: list[int]) -> list[object]:
+        mgr.add_request(Request(rid, tokens))
+        res = mgr.lookup(rid)
+        assert mgr.allocate(rid, len(tokens) - res.hit, lookup=res) is not None
+        step = mgr.seal_step()
+        mgr.commit(step.step_id, {rid: (len(tokens), [5])})
+        mgr.finish(rid)
+        return list(mgr.take_events())
+
+    pub = Publisher(cfg.geometry, endpoint="tcp://*:0", replay_endpoint="tcp://*:0")
+    indexer = DynamoIndexer()
+    try:
+        port, replay = (e.rsplit(":", 1)[1] for e in (pub.endpoint, pub.replay_endpoint or ""))
+        indexer.register(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}", 16)
+        for i in range(100):  # until Dynamo's subscription is up
+            pub.publish(run(f"probe{i}", [1000 + i] * 33))  # type: ignore[arg-type]
+            assert pub.flush()
+            time.sleep(0.1)
+            if indexer.applied() > 0:
+                break
+        base = indexer.applied()
+        assert base > 0
+        lost = converter.convert(run("lost", [7] * 33))  # type: ignore[arg-type]
+        pub.buffer.append((pub.next_seq, encode_batch(EventBatch(time.time(), lost, 0))))
+        pub._next_seq += 1  # buffered, never sent: only the replay has it
+        pub.publish(run("after", [8] * 33))  # type: ignore[arg-type]
+        assert pub.flush()
+        deadline = time.monotonic() + 20
+        while indexer.applied() < base + 2:
+            assert time.monotonic() < deadline, f"applied {indexer.applied() - base} of 2"
+            time.sleep(0.05)
+    finally:
+        indexer.close()
+        pub.close()

@@ -11,7 +11,7 @@ from replica import GEOMETRIES, Replica, shared_prefix, tcp
 
 from kvreuse.core import KVCacheManager, Request
 from kvreuse.events import Converter, hash64
-from kvreuse.events.replay import ReplayEnd, decode_end
+from kvreuse.events.replay import NOTE_SEQ, ReplayEnd, decode_end
 from kvreuse.events.wire import BlockStored
 
 CTX = zmq.Context.instance()
@@ -124,16 +124,20 @@ def test_replay_answers_from_the_start_seq_then_the_end_marker() -> None:
                 assert dealer.poll(10_000)
                 frames = dealer.recv_multipart()
                 if frames[2] == (-1).to_bytes(8, "big", signed=True):
-                    assert frames[:3] == [b"", b"", (-1).to_bytes(8, "big", signed=True)]
-                    # the note names this publisher and its next sequence number
-                    end = decode_end(frames[3])
-                    assert end == ReplayEnd(replica.pub.instance_id, sent)
+                    # vLLM's end marker, byte for byte
+                    assert frames == [b"", b"", (-1).to_bytes(8, "big", signed=True), b""]
                     break
                 assert len(frames) == 4 and frames[:2] == [b"", b""]
                 got.append(int.from_bytes(frames[2], "big"))
                 assert frames[3] == buffered[got[-1]]
             # only the last buffer_steps batches are kept
             assert got == list(range(max(start, sent - 4), sent))
+        # kvreuse's note request: an end marker alone, naming this publisher and its next number
+        dealer.send_multipart([b"", NOTE_SEQ.to_bytes(8, "big")])
+        assert dealer.poll(10_000)
+        frames = dealer.recv_multipart()
+        assert frames[:3] == [b"", b"", (-1).to_bytes(8, "big", signed=True)]
+        assert decode_end(frames[3]) == ReplayEnd(replica.pub.instance_id, sent)
         dealer.send_multipart([b"", b"not eight bytes", b"extra"])  # ignored, not fatal
         replica.run("after", [1, 2, 3, 4] * 10)
         assert replica.pub.flush() and replica.pub.next_seq > sent

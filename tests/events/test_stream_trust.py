@@ -17,7 +17,7 @@ from replica import GEOMETRIES, Replica, agent_turns, shared_prefix, tcp
 
 from kvreuse.core import KVCacheManager
 from kvreuse.events import Publisher, Subscriber
-from kvreuse.events.replay import ReplayEnd, decode_end
+from kvreuse.events.replay import NOTE_SEQ, ReplayEnd, decode_end
 from kvreuse.events.stream import ReplicaStream
 from kvreuse.events.wire import AllBlocksCleared, EventBatch, encode_batch
 
@@ -314,12 +314,17 @@ def test_a_replay_client_that_never_reads_holds_no_one_else_up() -> None:
         other.connect(endpoint)
         stuck.send_multipart([b"", (0).to_bytes(8, "big")])
         time.sleep(0.1)
+        other.send_multipart([b"", NOTE_SEQ.to_bytes(8, "big")])
         other.send_multipart([b"", (0).to_bytes(8, "big")])
+        end_seq = (-1).to_bytes(8, "big", signed=True)
         assert other.poll(2000)
-        frames = other.recv_multipart()
-        end = decode_end(frames[3])
-        assert frames[2] == (-1).to_bytes(8, "big", signed=True)
-        assert end == ReplayEnd(replica.pub.instance_id, replica.pub.next_seq, busy=True)
+        note = other.recv_multipart()
+        assert note[2] == end_seq
+        assert decode_end(note[3]) == ReplayEnd(
+            replica.pub.instance_id, replica.pub.next_seq, busy=True
+        )
+        assert other.poll(2000)  # the batch request: vLLM's end marker at once, no batches
+        assert other.recv_multipart() == [b"", b"", end_seq, b""]
         time.sleep(0.8)  # past the stuck client's deadline: its slot is free again
         other.send_multipart([b"", (replica.pub.next_seq - 1).to_bytes(8, "big")])
         assert other.poll(2000)

@@ -7,7 +7,7 @@
     mirror       a replica's entries per group from its events; an `IndexView` for the core
     stream       one replica's stream: what is applied, checks through replay, restarts
     subscriber   follows several replicas' streams (sockets, poll) and keeps their mirrors
-    replay       the replay protocol, the publisher's bounded answers, the end marker's note
+    replay       the replay protocol, the publisher's bounded answers and its note
     options      `kvreuse serve`'s --kv-events-* flags and their checks
     common       mode names and the endpoint check they share (no pyzmq, no msgspec)
 

@@ -3,8 +3,8 @@
 Every batch goes out on a PUB socket as three frames `[topic, seq, payload]`: `seq` is an
 8-byte big-endian counter starting at 0, `payload` the msgpack of `[timestamp, events,
 data_parallel_rank]`. The last `buffer_steps` batches stay in memory for a ROUTER replay socket
-(`kvreuse.events.replay`: vLLM's request and answer, bounded per client, and an end marker that
-names this publisher's incarnation, `instance_id`, and its next sequence number).
+(`kvreuse.events.replay`: vLLM's request and answer, bounded per client, and a note of its own
+naming this publisher's incarnation, `instance_id`, and its next sequence number).
 
 `publish(events)` only enqueues the core's events into a queue of at most `max_queue_size`
 batches; one background thread converts, encodes, sends and answers replays, so the step loop

@@ -1,20 +1,26 @@
-"""The replay socket: vLLM's protocol, the publisher's bounded answers, and the end marker's note.
+"""The replay socket: vLLM's protocol, the publisher's bounded answers, and the publisher's note.
 
 A request is `[b"", start_seq]` (8 bytes, unsigned big-endian) from a DEALER; the answer is
 every buffered batch from `start_seq` on as `[b"", topic, seq, payload]`, then the end marker
-`[b"", b"", -1, note]`. vLLM sends an empty note; kvreuse's publisher sends `ReplayEnd`
-(msgpack `[instance, next_seq, busy]`): which incarnation of the publisher answered (a random
-id per `Publisher`, so a subscriber can tell a restarted replica from the one it followed) and
-the number its next batch will carry (so an answer cut short, or a batch numbered past it,
-shows). A consumer that reads only the `-1` is unaffected.
+`[b"", b"", -1, b""]`, byte for byte as vLLM sends them (Dynamo's consumer, for one, takes
+anything else there for a broken replay).
+
+One request is kvreuse's own: `start_seq` = 2⁶⁴−1 (`NOTE_SEQ`, a number no batch can carry, so
+vLLM answers it with its end marker alone). kvreuse's publisher answers it with an end marker
+whose last frame is its note, `ReplayEnd` (msgpack `[instance, next_seq, busy]`): which
+incarnation of the publisher answered (a random id per `Publisher`, so a subscriber can tell a
+restarted replica from the one it followed), the number its next batch will carry (so an answer
+cut short, or a batch numbered past it, shows), and whether a batch request now would find every
+answer slot taken. A subscriber sends the note request and its batch request together; the two
+answers come back in that order.
 
 Bounds, so a replay client cannot cost the publisher unbounded memory or time: at most
-`max_clients` answers in progress (more are told `busy` at once, with no batches), each at most
-`max_bytes` of payload (the client asks again from where it got to) and `deadline_s` seconds;
-the ROUTER holds at most `hwm` messages per client (a client that stops reading is found when
-its pipe is full, and its answer is dropped at the deadline). So a connected client that never
-reads pins at most `hwm` messages (copies of buffered batches), and its answer ends within
-`deadline_s`; clients told busy pin nothing.
+`max_clients` answers in progress (more get the end marker at once, with no batches), each at
+most `max_bytes` of payload (the client asks again from where it got to) and `deadline_s`
+seconds; the ROUTER holds at most `hwm` messages per client (a client that stops reading is
+found when its pipe is full, and its answer is dropped at the deadline). So a connected client
+that never reads pins at most `hwm` messages (copies of buffered batches), and its answer ends
+within `deadline_s`; clients told busy pin nothing.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import zmq
 log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+NOTE_SEQ = (1 << 64) - 1  # the start of kvreuse's note request
 DEFAULT_MAX_CLIENTS = 4
 DEFAULT_MAX_BYTES = 16 << 20
 DEFAULT_DEADLINE_S = 5.0
@@ -38,7 +45,7 @@ _PUMP_MESSAGES = 256  # messages one answer sends per turn of the publisher's lo
 
 
 class ReplayEnd(msgspec.Struct, array_like=True, frozen=True):
-    """What kvreuse's end marker says about the publisher that answered."""
+    """kvreuse's note: the publisher that answered, its next number, whether it is busy."""
 
     instance: str
     next_seq: int
@@ -54,7 +61,7 @@ def encode_end(end: ReplayEnd) -> bytes:
 
 
 def decode_end(note: bytes) -> ReplayEnd | None:
-    """The note of an end marker, or None (vLLM's empty note, or anything unreadable)."""
+    """The note in an end marker, or None (vLLM's empty last frame, or anything unreadable)."""
     if not note:
         return None
     try:
@@ -116,9 +123,14 @@ class ReplayServer:
             log.warning("ignored a malformed replay request of %d frames", len(frames))
             return
         client, start = frames[0], int.from_bytes(frames[2], "big")
-        if client not in self.answers and len(self.answers) >= self.max_clients:
+        full = client not in self.answers and len(self.answers) >= self.max_clients
+        if start == NOTE_SEQ:
+            note = encode_end(ReplayEnd(self.instance, next_seq, full))
+            self._end(client, note)
+            return
+        if full:
             self.num_busy += 1
-            self._end(client, next_seq, busy=True)
+            self._end(client)
             return
         # a client asking again replaces its answer in progress
         self.answers[client] = _Answer(client, start, time.monotonic() + self.deadline_s)
@@ -129,7 +141,7 @@ class ReplayServer:
         for _ in range(_PUMP_MESSAGES):
             seq = max(answer.next_seq, first)
             if seq >= next_seq or answer.sent_bytes >= self.max_bytes:
-                return self._end(answer.client, next_seq)
+                return self._end(answer.client)
             payload = buffer[seq - first][1]
             frames = (answer.client, b"", self.topic, seq.to_bytes(8, "big"))
             try:
@@ -142,8 +154,7 @@ class ReplayServer:
             answer.sent_bytes += len(payload)
         return False
 
-    def _end(self, client: bytes, next_seq: int, busy: bool = False) -> bool:
-        note = encode_end(ReplayEnd(self.instance, next_seq, busy))
+    def _end(self, client: bytes, note: bytes = b"") -> bool:
         try:
             self.sock.send_multipart((client, b"", b"", END_SEQ, note), flags=zmq.NOBLOCK)
         except zmq.Again:

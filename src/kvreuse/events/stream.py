@@ -13,10 +13,11 @@ stream `suspect`: the subscriber then checks it through the replay, once per pol
 A check asks for everything from the last applied batch (the anchor) on:
 
     applied:  … 41 42 43          next_seq = 44, anchor = 43
-    answer:   43 44 45 | end(instance, next_seq = 46)
-              ^^ the anchor's very bytes, same instance: 44 and 45 are applied
-    answer:   0 1 | end(other instance, 2)      a restart: the mirror is rebuilt from batch 0
-    answer:   50 51 … | end                      the anchor is gone: rebuilt from 0 if held
+    answer:   note(instance, next_seq = 46)  43 44 45
+                                              ^^ the anchor's very bytes, same instance:
+                                                 44 and 45 are applied
+    answer:   note(other instance, 2)  0 1      a restart: the mirror is rebuilt from batch 0
+    answer:   note(…)  50 51 …                   the anchor is gone: rebuilt from 0 if held
 
 When the answer does not start with the anchor's bytes, or names another instance, the stream
 followed is not the publisher's: the mirror is cleared and rebuilt from batch 0, exact again if
@@ -42,7 +43,7 @@ import zmq
 
 from kvreuse.events.curve import KeyPair, dial
 from kvreuse.events.mirror import MirrorError, ReplicaMirror
-from kvreuse.events.replay import ReplayEnd, decode_end
+from kvreuse.events.replay import NOTE_SEQ, ReplayEnd, decode_end
 from kvreuse.events.wire import AllBlocksCleared, PayloadError, decode_batch
 
 log = logging.getLogger(__name__)
@@ -62,11 +63,11 @@ def digest(payload: bytes) -> bytes:
 
 @dataclass
 class Answer:
-    """A replay's batches, in the order received, and its end marker's note (None: vLLM's
-    empty one)."""
+    """A replay's batches, in the order received, and the publisher's note (None from vLLM,
+    which has none)."""
 
     batches: list[tuple[int, bytes]]
-    end: ReplayEnd | None
+    note: ReplayEnd | None
 
 
 @dataclass
@@ -154,7 +155,7 @@ class ReplicaStream:
             if self.check_from is not None:
                 anchor = min(anchor, self.check_from)
             answer = self.ask(max(anchor, 0))
-            if answer is None or (answer.end is not None and answer.end.busy):
+            if answer is None or (answer.note is not None and answer.note.busy):
                 self.paused_until = time.monotonic() + NO_ANSWER_PAUSE_S
                 return applied
             if not self._continues(answer, anchor):
@@ -164,10 +165,10 @@ class ReplicaStream:
                 self._rebuild()
                 rebuilt = True
                 continue
-            if answer.end is not None:
-                self.instance = answer.end.instance
+            if answer.note is not None:
+                self.instance = answer.note.instance
             applied += self._apply_run(answer.batches)
-            if answer.end is None or self.next_seq >= answer.end.next_seq:
+            if answer.note is None or self.next_seq >= answer.note.next_seq:
                 break
         self.suspect, self.check_from = False, None
         self._settle_held()
@@ -177,7 +178,7 @@ class ReplicaStream:
         """Whether the answer continues the stream followed: the same incarnation, no fewer
         batches, the anchor first (past batch 0), and the very bytes applied for every batch
         up to the last one applied."""
-        end = answer.end
+        end = answer.note
         if end is not None and self.instance is not None and end.instance != self.instance:
             return False
         if end is not None and end.next_seq < self.next_seq:
@@ -256,13 +257,17 @@ class ReplicaStream:
 
     # ------------------------------------------------------------------ the replay socket
     def ask(self, start: int) -> Answer | None:
-        """Every batch the replay holds from `start` on, or None when it does not answer in
-        time (the socket is then replaced, so a late answer cannot mix with the next)."""
+        """The publisher's note and every batch the replay holds from `start` on, or None when
+        it does not answer in time (the socket is then replaced, so a late answer cannot mix
+        with the next). Both requests go at once; their answers come back in order."""
         sock = self.replay
         if sock is None:
             return None
+        sock.send_multipart((b"", NOTE_SEQ.to_bytes(8, "big")))
         sock.send_multipart((b"", start.to_bytes(8, "big")))
         batches: list[tuple[int, bytes]] = []
+        note: ReplayEnd | None = None
+        ends = 0
         deadline = time.monotonic() + self.replay_timeout
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
@@ -275,9 +280,12 @@ class ReplicaStream:
                 self.error(f"a replay message of {len(frames)} frames was ignored")
                 continue
             seq = int.from_bytes(frames[2], "big", signed=True)
-            if seq < 0:
-                return Answer(batches, decode_end(frames[3]))
-            batches.append((seq, frames[3]))
+            if seq >= 0:
+                batches.append((seq, frames[3]))
+            elif ends == 0:  # the note request's end (vLLM's is empty)
+                note, ends = decode_end(frames[3]), 1
+            else:
+                return Answer(batches, note)
 
     def replace_replay(self, endpoint: str | None = None) -> None:
         """A new DEALER for the replay, at `endpoint` (default: where the old one dialled)."""
