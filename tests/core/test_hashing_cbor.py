@@ -185,3 +185,18 @@ def test_incremental_equals_one_shot_and_the_definition(
         parent = block_hash(parent, tokens[(k - 1) * u : k * u], extra)
         want.append(parent)
     assert chain.hashes == want == h.hash_units(tokens, lora=lora, mm_items=items, cache_salt=salt)
+
+
+def test_a_geometry_file_selects_it_as_kvreuse_serve_reads_it() -> None:
+    """`kvreuse serve --geometry FILE` builds its config with `load_geometry`."""
+    from kvreuse.deployment import load_geometry
+
+    text = '[cache]\nnum_blocks = 64\nhash_algo = "sha256_cbor"\nhash_seed = "4242"\n'
+    dep = load_geometry(text + '[[groups]]\nkind = "full"\nblock_size = 4\n')
+    mgr = KVCacheManager(dep.cache)
+    assert mgr.hasher.root.hex() == VLLM_NONE_HASH_4242 and dep.cache.geometry.vllm_hashes
+    with pytest.raises(ConfigError, match="one full-attention"):
+        load_geometry(
+            text + '[[groups]]\nkind = "full"\nblock_size = 4\n'
+            '[[groups]]\nkind = "recurrent"\nblock_size = 4\n'
+        )
