@@ -114,6 +114,9 @@ class Geometry:
     recurrent: tuple[GroupGeometry, ...] = ()  # the recurrent groups (they plan saves)
     published: tuple[int, ...] = ()  # gids whose pages a commit publishes (caching on)
     windowed: bool = False  # a sliding or chunked group: commits free pages leaving its window
+    # hash_algo "sha256_cbor": the chain is vLLM's own, so events carry vLLM's extra keys,
+    # the cache salt included (docs/decisions.md)
+    vllm_hashes: bool = False
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,7 @@ class CacheConfig:
     groups: Sequence[GroupSpec]
     dcp_size: int = 1
     hash_unit: int | None = None
-    hash_algo: Literal["sha256", "xxh3_128", "blake3"] = "sha256"
+    hash_algo: Literal["sha256", "xxh3_128", "blake3", "sha256_cbor"] = "sha256"
     hash_seed: str | bytes | None = None
     spec_mode: Literal["none", "lookahead", "drop"] = "none"
     lookahead_tokens: int = 1
@@ -309,6 +312,32 @@ def _check_scalars(cfg: CacheConfig) -> None:
         raise ConfigError(f"hash_seed must be str, bytes or None, got {cfg.hash_seed!r}")
 
 
+def _check_vllm_hashes(cfg: CacheConfig, groups: tuple[GroupGeometry, ...], u: int) -> None:
+    """Where vLLM's own block hashes can be reproduced: vLLM hashes one block of one
+    full-attention group at a time, with no lookahead and no DCP page; anything else names
+    its blocks differently from any vLLM, so the mode would only pretend to match."""
+    why = "hash_algo 'sha256_cbor' reproduces vLLM's block hashes only for"
+    if cfg.hash_seed is not None and not isinstance(cfg.hash_seed, str):
+        raise ConfigError(
+            f"hash_algo 'sha256_cbor' needs hash_seed as a str (it plays vLLM's PYTHONHASHSEED), "
+            f"got {type(cfg.hash_seed).__name__}"
+        )
+    if len(groups) != 1 or groups[0].kind != "full" or groups[0].is_draft:
+        raise ConfigError(
+            f"{why} one full-attention target group, got {len(groups)} group(s)"
+            f" ({', '.join(g.kind for g in groups)})"
+        )
+    g = groups[0]
+    if g.page_size != g.block_size:
+        raise ConfigError(f"{why} a page without DCP; {g.describe()} is sharded: use dcp_size=1")
+    if u != g.block_size:
+        raise ConfigError(f"{why} hash_unit = block_size ({g.block_size}), got hash_unit {u}")
+    if cfg.spec_mode != "none":
+        raise ConfigError(
+            f"{why} spec_mode 'none' (vLLM hashes a block alone), got {cfg.spec_mode!r}"
+        )
+
+
 def _resolve(cfg: CacheConfig) -> Geometry:
     _check_scalars(cfg)
     groups = tuple(_resolve_group(cfg, gid, spec) for gid, spec in enumerate(cfg.groups))
@@ -340,6 +369,8 @@ def _resolve(cfg: CacheConfig) -> Geometry:
             "spec_mode 'drop' needs a prefix-cacheable group with role 'draft' (the drafter's KV); "
             "add one, or use spec_mode 'lookahead' or 'none'"
         )
+    if cfg.hash_algo == "sha256_cbor":
+        _check_vllm_hashes(cfg, groups, u)
     kappa = 1 if cfg.spec_mode == "drop" or lookahead >= 2 else 0
     common = math.lcm(*(g.page_size for g in cacheable)) if cacheable else u
     attn_keys = [g.page_size // u for g in cacheable if g.is_attention]
@@ -369,4 +400,5 @@ def _resolve(cfg: CacheConfig) -> Geometry:
         if cfg.enable_prefix_caching
         else (),
         windowed=any(g.kind in ("sliding", "chunked") for g in groups),
+        vllm_hashes=cfg.hash_algo == "sha256_cbor",
     )

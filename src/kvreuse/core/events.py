@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-from kvreuse.core.hashing import unit_extra_keys
+from kvreuse.core.hashing import CborChain, unit_extra_keys
 from kvreuse.core.kinds import EntryKind, entry_kind
 
 if TYPE_CHECKING:
@@ -49,6 +49,9 @@ class BlockStored:
     # H[token_start/u], …, H[last/u]: the chain over the run's span, so that a consumer names
     # the parent of any entry (H[b/u − 1]) without remembering earlier runs
     unit_hashes: tuple[bytes, ...] = ()
+    # the request's cache salt, only under hash_algo "sha256_cbor" (None otherwise): vLLM's
+    # events name it among block 1's extra keys, and that mode sends what vLLM sends
+    cache_salt: str | None = None
     type: Literal["BlockStored"] = "BlockStored"
 
 
@@ -192,4 +195,5 @@ def _build(geo: Geometry, r: tuple[Any, ...]) -> Event:
         extra_keys=extra,
         lora=req.lora,
         unit_hashes=tuple(hashes[start // u : last // u + 1]),
+        cache_salt=req.chain.cache_salt if isinstance(req.chain, CborChain) else None,
     )

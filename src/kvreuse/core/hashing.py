@@ -20,27 +20,19 @@ import struct
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
+from kvreuse.core import hashing_cbor as _cb
 from kvreuse.core import native
-from kvreuse.core.encoding import INT64_MAX, TokenArray, enc, tok_bytes, u64
+from kvreuse.core.encoding import TokenArray, enc, tok_bytes, u64
+from kvreuse.core.hashing_keys import Lora, MMItem, _check_extras, _prepare
+from kvreuse.core.hashing_keys import unit_extra_keys as unit_extra_keys  # re-exported
 
-HASH_ALGOS = ("sha256", "xxh3_128", "blake3")
+# the digests over kvreuse's own encoding `enc`; "sha256_cbor" is vLLM's own chain instead
+# (`kvreuse.core.hashing_cbor`): its root depends on the seed alone and it has no lookahead
+ENCODED_ALGOS = ("sha256", "xxh3_128", "blake3")
+HASH_ALGOS = (*ENCODED_ALGOS, "sha256_cbor")
 _PACKAGES = {"xxh3_128": "xxhash", "blake3": "blake3"}
-
-Lora = tuple[str, str]
-
-
-class MMItem(Protocol):
-    """A multimodal placeholder range; ``identifier`` names its *content*, not its location.
-    Read-only members: a frozen dataclass (``MultiModalItem``) is one."""
-
-    @property
-    def identifier(self) -> str | bytes: ...
-    @property
-    def offset(self) -> int: ...
-    @property
-    def length(self) -> int: ...
 
 
 def _import(algo: str) -> Any:
@@ -56,7 +48,7 @@ def _import(algo: str) -> Any:
 def algo_available(algo: str) -> bool:
     """Whether ``algo`` is known and its package importable (config validation V7)."""
     try:
-        if algo != "sha256":
+        if algo not in ("sha256", "sha256_cbor"):
             _import(algo)
     except (ImportError, ValueError):
         return False
@@ -66,7 +58,7 @@ def algo_available(algo: str) -> bool:
 def _digest_parts(algo: str) -> tuple[Callable[[bytes], Any] | None, Callable[[bytes], bytes]]:
     """``(ctor, digest)``. The hot loop inlines ``ctor(m).digest()`` when ``ctor`` is set, to
     avoid a Python wrapper frame per unit, else calls ``digest`` (a C function for xxh3)."""
-    if algo == "sha256":
+    if algo in ("sha256", "sha256_cbor"):
         sha = hashlib.sha256
         return sha, lambda b: sha(b).digest()
     mod = _import(algo)
@@ -95,6 +87,8 @@ def default_seed(algo: str) -> str | bytes:
     global _random_seed
     if algo == "sha256":
         return "kvreuse/v1"
+    if algo == "sha256_cbor":
+        return "vllm-none-hash"  # what vLLM uses for sha256_cbor without PYTHONHASHSEED
     if algo not in _PACKAGES:
         raise ValueError(f"unknown hash_algo {algo!r}; expected one of {HASH_ALGOS}")
     if _random_seed is None:
@@ -110,56 +104,11 @@ def default_seed(algo: str) -> str | bytes:
 def root_hash(algo: str, hash_unit: int, lookahead: int, seed: str | bytes | None) -> bytes:
     """``H[0] = D(enc(("kvr/root", algo, u, L, seed)))``: configurations with a different
     algorithm, unit, lookahead or seed never share a key."""
+    if algo == "sha256_cbor":  # vLLM's NONE_HASH: its own derivation, not kvreuse's tuple
+        return _cb.none_hash(seed)
     if seed is None:
         seed = default_seed(algo)
     return make_digest(algo)(enc(("kvr/root", algo, hash_unit, lookahead, seed)))
-
-
-def _check_extras(lora: Lora | None, mm_items: Sequence[MMItem], cache_salt: str | None) -> None:
-    # str and bytes encode differently, so a wrong type would silently split the key space.
-    if lora is not None and not (
-        isinstance(lora, tuple) and len(lora) == 2 and all(isinstance(x, str) for x in lora)
-    ):
-        raise TypeError(f"lora must be a (name, path) tuple of str, got {lora!r}")
-    if cache_salt is not None and not isinstance(cache_salt, str):
-        raise TypeError(f"cache_salt must be str, got {cache_salt!r}")
-    for it in mm_items:
-        if not isinstance(it.identifier, str | bytes):
-            raise TypeError(f"multimodal identifier must be str or bytes: {it.identifier!r}")
-        if type(it.offset) is not int or type(it.length) is not int:
-            raise TypeError(f"multimodal offset and length must be int: {it!r}")
-        if not (0 <= it.offset <= INT64_MAX and 0 <= it.length <= INT64_MAX):  # enc: int64
-            raise ValueError(f"multimodal offset and length must be ints in [0, 2**63): {it!r}")
-
-
-def _prepare(
-    lora: Lora | None, mm_items: Sequence[MMItem], cache_salt: str | None
-) -> tuple[tuple, list[MMItem], tuple]:
-    """Validated ``(lora keys, items in canonical order, salt keys)``."""
-    _check_extras(lora, mm_items, cache_salt)
-    base = (("lora", lora[0], lora[1]),) if lora is not None else ()
-    items = sorted(mm_items, key=lambda it: (it.offset, enc(it.identifier)))
-    return base, items, ((("salt", cache_salt),) if cache_salt else ())  # "" means no salt
-
-
-def unit_extra_keys(
-    k: int,
-    u: int,
-    lookahead: int,
-    lora: Lora | None,
-    mm_items: Sequence[MMItem],
-    cache_salt: str | None,
-) -> tuple:
-    """``X_k`` of spec 5.2 for unit ``k >= 1``: the LoRA key, the multimodal items whose
-    placeholder range meets the window ``[(k-1)u, k*u + L)``, then the salt (unit 1 only)."""
-    base, items, salt = _prepare(lora, mm_items, cache_salt)
-    s, e = (k - 1) * u, k * u + lookahead
-    mm = tuple(
-        ("mm", it.identifier, it.offset - s)
-        for it in items
-        if it.length > 0 and it.offset < e and it.offset + it.length > s
-    )
-    return base + mm + (salt if k == 1 else ())
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,6 +267,53 @@ def _words(tokens: Sequence[int], lo: int, hi: int) -> memoryview:
     return memoryview(tok_bytes(tokens[lo:hi]))
 
 
+class CborChain(Chain):
+    """A `Chain` whose ``hashes[k]`` are vLLM's block hashes (``hashes[0]``: ``NONE_HASH``),
+    for hash_algo "sha256_cbor" (the encoding and vLLM's rules: `kvreuse.core.hashing_cbor`)."""
+
+    __slots__ = ("_items", "_lora", "_nokeys", "_xlast", "cache_salt")
+
+    def __init__(
+        self,
+        hasher: Hasher,
+        *,
+        lora: Lora | None = None,
+        mm_items: Sequence[MMItem] = (),
+        cache_salt: str | None = None,
+    ) -> None:
+        _check_extras(lora, mm_items, cache_salt)
+        self.template = t = hasher.template
+        self.hashes = [t.root]
+        self.num_units = 0
+        self._lora = lora
+        self.cache_salt = cache_salt or None  # read by the core's BlockStored events
+        self._items = sorted((it for it in mm_items if it.length > 0), key=lambda it: it.offset)
+        self._nokeys = _cb.cbor(_cb.block_extra_keys(2, t.hash_unit, lora, (), None))
+        # past the last multimodal item and block 1, every block's extra keys are _nokeys
+        u = t.hash_unit
+        self._xlast = max((-(-(it.offset + it.length) // u) for it in self._items), default=1)
+
+    def extend(self, tokens: Sequence[int]) -> int:
+        """Hash every new full block; return the block count n (same contract as `Chain`)."""
+        u = self.template.hash_unit
+        n0, n = len(self.hashes) - 1, len(tokens) // u
+        if n <= n0:
+            return n0
+        last, ap, nokeys, xlast = self.hashes[-1], self.hashes.append, self._nokeys, self._xlast
+        for k in range(n0 + 1, n + 1):
+            extra = (
+                _cb.cbor(_cb.block_extra_keys(k, u, self._lora, self._items, self.cache_salt))
+                if k <= xlast
+                else nokeys
+            )
+            # (parent, tokens, extra) as a 3-array; the parent is always a 32-byte string
+            msg = b"\x83\x58\x20" + last + _cb.cbor_tokens(tokens[(k - 1) * u : k * u]) + extra
+            last = hashlib.sha256(msg).digest()
+            ap(last)
+        self.num_units = n
+        return n
+
+
 class Hasher:
     """Per-configuration hashing (algorithm, unit u, lookahead L, seed); builds chains.
 
@@ -341,6 +337,8 @@ class Hasher:
             raise ValueError(f"lookahead must be an int >= 0, got {lookahead!r}")
         if seed is not None and not isinstance(seed, str | bytes):
             raise TypeError("hash_seed must be str, bytes or None")
+        if algo == "sha256_cbor" and lookahead:
+            raise ValueError("hash_algo 'sha256_cbor' has no lookahead: vLLM hashes a block alone")
         self.algo, self.hash_unit, self.lookahead = algo, hash_unit, lookahead
         self.root = root = root_hash(algo, hash_unit, lookahead, seed)
         ctor, self.digest = _digest_parts(algo)
@@ -365,6 +363,8 @@ class Hasher:
         cache_salt: str | None = None,
     ) -> Chain:
         """A new chain, holding only the root, for one request's extra keys."""
+        if self.algo == "sha256_cbor":
+            return CborChain(self, lora=lora, mm_items=mm_items, cache_salt=cache_salt)
         return Chain(self, lora=lora, mm_items=mm_items, cache_salt=cache_salt)
 
     def hash_units(self, tokens: Sequence[int], **extra: Any) -> list[bytes]:
@@ -377,6 +377,9 @@ class Hasher:
         self, parent: bytes, tokens: Sequence[int], successors: Sequence[int], extra_keys: tuple
     ) -> bytes:
         """One link, straight from the definition: lets an event consumer recompute ``H[k]``
-        from ``parent_hash`` (spec 13), and is the reference the fast path is tested against."""
+        from ``parent_hash`` (spec 13), and is the reference the fast path is tested against.
+        For ``sha256_cbor`` it is vLLM's link, ``extra_keys`` vLLM's tagged keys (or None)."""
+        if self.algo == "sha256_cbor":
+            return _cb.block_hash(parent, tokens, extra_keys or None)
         msg = ("kvr/unit", parent, TokenArray(tokens), TokenArray(successors), extra_keys)
         return self.digest(enc(msg))

@@ -7,8 +7,10 @@ the wrong granularity), and each event's `token_ids` hold exactly `u` tokens per
 into unit-contiguous pieces, one wire event each (recurrent states saved a page apart are
 separate blocks on the wire). The parent of each piece is the chain hash of the unit before
 it, which the core's event carries (`unit_hashes`, the chain over the run's span), so no piece
-is ever sent without its parent and nothing is remembered between events. The cache salt never
-leaves the process: a salted chain is visible only through its hashes.
+is ever sent without its parent and nothing is remembered between events. The cache salt leaves
+the process only under hash_algo "sha256_cbor", where the events are vLLM's own and vLLM names
+the salt among block 1's extra keys; otherwise a salted chain is visible only through its hashes
+(docs/decisions.md).
 
 The work per event is a few slices and one C-level conversion of the hashes (`low64`): no
 Python object per unit but the ints msgpack needs.
@@ -16,7 +18,7 @@ Python object per unit but the ints msgpack needs.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvreuse.core import AllBlocksCleared as CoreCleared
@@ -33,6 +35,29 @@ from kvreuse.events.wire import (
     hash64,
     low64,
 )
+
+
+def block_extra_keys(
+    ev: CoreStored, boundaries: Sequence[int], vllm: bool
+) -> list[tuple[Any, ...] | None] | None:
+    """vLLM's untagged per-block extra keys, `(lora_name, (mm_identifier, offset)…, salt)`, for
+    the blocks of `ev` ending at `boundaries`. The salt is there only under sha256_cbor (`vllm`,
+    where `ev.cache_salt` is set): then the list is vLLM's to the letter, one entry per block,
+    None for a block without keys. Otherwise a run without LoRA and multimodal items (the
+    common case, decided without a pass) sends None for the whole list."""
+    lora_name = ev.lora[0] if ev.lora else None
+    salt = ev.cache_salt
+    if not vllm and lora_name is None and not any(ev.extra_keys):
+        return None
+    u, head = ev.hash_unit, (lora_name,) if lora_name else ()
+    base, n = ev.token_start // u + 1, len(ev.extra_keys)
+    out: list[tuple[Any, ...] | None] = []
+    for b in boundaries:
+        at = b // u - base
+        mm = tuple(k[1:] for k in (ev.extra_keys[at] if 0 <= at < n else ()) if k[0] == "mm")
+        tail = (salt,) if salt and b == u else ()
+        out.append((head + mm + tail) or None)
+    return out
 
 
 def attention_group(geo: Geometry) -> GroupGeometry:
@@ -91,23 +116,8 @@ class Converter:
             out.append(self._piece(ev, i, j))
             i = j
 
-    @staticmethod
-    def _extra(ev: CoreStored, unit: int) -> tuple[Any, ...]:
-        index = unit - ev.token_start // ev.hash_unit - 1
-        return ev.extra_keys[index] if 0 <= index < len(ev.extra_keys) else ()
-
     def _extra_keys(self, ev: CoreStored, i: int, j: int) -> list[tuple[Any, ...] | None] | None:
-        """vLLM's per-block extra keys, `(lora_name, (mm_identifier, offset)…)`, or None when no
-        block has any (no LoRA, no multimodal item: the common case, decided without a pass)."""
-        lora_name = ev.lora[0] if ev.lora else None
-        if lora_name is None and not any(ev.extra_keys):
-            return None
-        u, head = ev.hash_unit, (lora_name,) if lora_name else ()
-        out: list[tuple[Any, ...] | None] = []
-        for e in ev.entries[i:j]:
-            mm = tuple(k[1:] for k in self._extra(ev, e.boundary // u) if k and k[0] == "mm")
-            out.append((head + mm) or None)
-        return out
+        return block_extra_keys(ev, [e.boundary for e in ev.entries[i:j]], self.geo.vllm_hashes)
 
     def _piece(self, ev: CoreStored, i: int, j: int) -> BlockStored:
         u, start = ev.hash_unit, ev.token_start

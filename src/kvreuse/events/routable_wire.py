@@ -3,14 +3,16 @@
 The filter (`kvreuse.events.routable`) decides which attention units are published; this turns
 the units retracted and published during a batch into `BlockRemoved` and `BlockStored` events.
 A stretch of units that one core run carries goes out as one slice of that run's chain and
-tokens, so a new run costs a few C-level steps rather than a Python step per unit.
+tokens, so a new run costs a few C-level steps rather than a Python step per unit. Each
+event carries vLLM's per-block `extra_keys`, as the groups mode does (`convert.block_extra_keys`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from kvreuse.events.convert import block_extra_keys
 from kvreuse.events.wire import (
     MEDIUM_GPU,
     SPEC_KINDS,
@@ -48,7 +50,9 @@ def emit_stored(
         lookahead = [list(t) for t in ev.successor_token_ids[a:b]] if tree.geo.lookahead else None
         lora = ev.lora[0] if ev.lora else None
         parent = None if first == u else r.chain[r.i0 + a - 1]
-        _append(out, tree, r.chain[r.i0 + a : r.i0 + b], parent, tokens, lookahead, lora)
+        extra = block_extra_keys(ev, range(first, last + 1, u), tree.geo.vllm_hashes)
+        stretch = r.chain[r.i0 + a : r.i0 + b]
+        _append(out, tree, stretch, parent, tokens, lookahead, lora, extra)
 
 
 def _append(
@@ -59,6 +63,7 @@ def _append(
     tokens: Sequence[int],
     lookahead: list[list[int]] | None,
     lora: str | None,
+    extra: list[tuple[Any, ...] | None] | None,
 ) -> None:
     up = hash64(parent) if parent is not None else None
     last = out[-1] if out else None
@@ -70,6 +75,9 @@ def _append(
     ):
         last.block_hashes.extend(low64(stretch))
         last.token_ids.extend(tokens)
+        if last.extra_keys is not None or extra is not None:  # one entry per block, or None
+            had = last.extra_keys or [None] * (len(last.block_hashes) - len(stretch))
+            last.extra_keys = had + (extra or [None] * len(stretch))
         if last.lookahead_token_ids is not None and lookahead is not None:
             last.lookahead_token_ids.extend(lookahead)
         return
@@ -82,6 +90,7 @@ def _append(
             lora_id=None,
             medium=MEDIUM_GPU,
             lora_name=lora,
+            extra_keys=extra,
             group_idx=tree.gid,
             kv_cache_spec_kind=SPEC_KINDS["full"],
             lookahead_token_ids=lookahead,

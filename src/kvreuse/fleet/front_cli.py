@@ -201,7 +201,8 @@ def _open(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
     from kvreuse.fleet.dispatch import Dispatcher
     from kvreuse.serve.server import bind
 
-    if config.hash_algo != "sha256" and config.hash_seed is None:
+    # sha256 and sha256_cbor have fixed default seeds (kvreuse's and vLLM's); the others do not
+    if config.hash_algo not in ("sha256", "sha256_cbor") and config.hash_seed is None:
         raise UsageError(
             f"the replicas hash with {config.hash_algo} and a random per-process seed, so no "
             "router can compute their hashes: set hash_seed in the geometry"
