@@ -32,8 +32,8 @@ from typing import Any
 from kvreuse.core import CacheConfig, GroupSpec
 from kvreuse.deployment import Deployment
 from kvreuse.fleet import POLICIES
-from kvreuse.fleet.router import Router
-from kvreuse.fleet.sim import FleetOptions, simulate_fleet
+from kvreuse.fleet.routing.router import Router
+from kvreuse.fleet.simulation.run import FleetOptions, simulate_fleet
 from kvreuse.sched import SchedulerConfig
 from kvreuse.sim.workload import WorkloadRequest, load_workload
 

@@ -7,9 +7,9 @@ script replays its conversation and synthetic traces (converted with `kvreuse wo
 mooncake`) on 10 simulated replicas of 3 M tokens (attention only, 512-token pages, one hash
 unit per trace block) behind each routing policy, with a shared tier of the fleet's whole
 capacity (30 M tokens) beside them. The tier changes only the hit accounting (a replica
-computes what it would have fetched; see `kvreuse.fleet.tier`), so one run per policy gives
-both figures: `local` (what the replicas reuse) and `with tier` (what they would reuse reading
-the pool too).
+computes what it would have fetched; see `kvreuse.fleet.simulation.tier`), so one run per
+policy gives both figures: `local` (what the replicas reuse) and `with tier` (what they would
+reuse reading the pool too).
 
 Writes a JSON file of every run's summary, prints a Markdown table (policy × trace: local,
 with tier, their ratio) and draws it (`--plot`, matplotlib):
@@ -30,7 +30,7 @@ from typing import Any
 from fleet_bench import import_trace, node  # this folder: benchmarks/fleet_bench.py
 
 from kvreuse.fleet import POLICIES
-from kvreuse.fleet.sim import FleetOptions, simulate_fleet
+from kvreuse.fleet.simulation.run import FleetOptions, simulate_fleet
 
 PAPER_RATIO = {"conversation": 2.22, "synthetic": 2.36}  # global / local hit rate, Figure 10
 

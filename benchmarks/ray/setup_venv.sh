@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the Python environment in which kvreuse's fleet runs on Ray Serve
-# (src/kvreuse/fleet/ray_app.py; tests/fleet/test_ray.py starts a local Ray cluster with it).
+# (src/kvreuse/fleet/ray_serve/app.py; tests/fleet/test_ray.py starts a local Ray cluster with it).
 #
 #   bash benchmarks/ray/setup_venv.sh             # creates .venv-ray in the repository root
 #
@@ -38,8 +38,8 @@ from importlib.metadata import version
 
 from ray.serve.request_router import RequestRouter  # noqa: F401
 
-from kvreuse.fleet.ray_app import build_app  # noqa: F401
-from kvreuse.fleet.ray_router import KvreuseRequestRouter  # noqa: F401
+from kvreuse.fleet.ray_serve.app import build_app  # noqa: F401
+from kvreuse.fleet.ray_serve.router import KvreuseRequestRouter  # noqa: F401
 
 print(f"Ray venv ready: ray {version('ray')}, kvreuse {version('kvreuse')}")
 PY

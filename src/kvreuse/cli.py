@@ -294,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     demo.add_argument("--json", action="store_true", help="one JSON object per request")
     demo.set_defaults(func=_cmd_demo)
-    from kvreuse.fleet.cli import add_fleet_arguments, fleet_requested, run_fleet
+    from kvreuse.fleet.simulation.cli import add_fleet_arguments, fleet_requested, run_fleet
     from kvreuse.sim.cli import add_parser as _add_simulate
     from kvreuse.sim.sweep_cli import add_parser as _add_sweep
     from kvreuse.sim.workload_cli import add_parser as _add_workload
@@ -309,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_geometry(sub)
     _add_serve(sub)
     _add_qualify(sub)
-    from kvreuse.fleet.front_cli import add_parser as _add_fleet_front
+    from kvreuse.fleet.serving.cli import add_parser as _add_fleet_front
 
     _add_fleet_front(sub)  # `kvreuse fleet` and `kvreuse route`
     return parser

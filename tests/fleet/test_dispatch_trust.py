@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from kvreuse.core import Request
-from kvreuse.fleet.dispatch import Dispatcher
+from kvreuse.fleet.serving.dispatch import Dispatcher
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "events"))
 from replica import GEOMETRIES, Replica, shared_prefix

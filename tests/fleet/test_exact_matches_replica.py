@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from kvreuse.core import CacheConfig, KVCacheManager, Request
 from kvreuse.events import Converter
-from kvreuse.fleet.router import Router
+from kvreuse.fleet.routing.router import Router
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "events"))
 from replica import GEOMETRIES as REPLICA_GEOMETRIES

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvreuse.fleet.cli import add_fleet_arguments, fleet_requested, run_fleet
+from kvreuse.fleet.simulation.cli import add_fleet_arguments, fleet_requested, run_fleet
 from kvreuse.sim.cli import add_parser
 from kvreuse.sim.generators import agent
 
@@ -117,7 +117,7 @@ def test_without_the_events_extra_a_fleet_names_it(workload: Path, tmp_path: Pat
     entry = tmp_path / "tests_fleet_cli_entry.py"
     entry.write_text(
         "import argparse\n"
-        "from kvreuse.fleet.cli import add_fleet_arguments, run_fleet\n"
+        "from kvreuse.fleet.simulation.cli import add_fleet_arguments, run_fleet\n"
         "from kvreuse.sim.cli import add_parser\n"
         "def main():\n"
         "    p = argparse.ArgumentParser(); sub = p.add_subparsers(); add_parser(sub)\n"

@@ -11,7 +11,7 @@ import pytest
 
 from kvreuse.deployment import Deployment, preset
 from kvreuse.fleet import POLICIES
-from kvreuse.fleet.sim import FleetOptions, simulate_fleet
+from kvreuse.fleet.simulation.run import FleetOptions, simulate_fleet
 from kvreuse.sim.generators import agent, shared_prefix
 from kvreuse.sim.run import simulate
 from kvreuse.sim.workload import WorkloadRequest, parse_line

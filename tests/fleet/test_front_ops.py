@@ -23,9 +23,9 @@ for _name, _extra in (("fastapi", "server"), ("uvicorn", "server")):
 from test_front_util import command, wait_until  # noqa: E402
 
 from kvreuse.events import Publisher  # noqa: E402
-from kvreuse.fleet.dispatch import Dispatcher  # noqa: E402
-from kvreuse.fleet.front import create_front  # noqa: E402
-from kvreuse.fleet.replicas import ReplicaProcess  # noqa: E402
+from kvreuse.fleet.serving.dispatch import Dispatcher  # noqa: E402
+from kvreuse.fleet.serving.front import create_front  # noqa: E402
+from kvreuse.fleet.serving.replicas import ReplicaProcess  # noqa: E402
 from kvreuse.serve import fake_backend  # noqa: E402
 from kvreuse.serve.app import create_app  # noqa: E402
 from kvreuse.serve.server import ServerThread, bind  # noqa: E402

@@ -21,8 +21,8 @@ import openai  # noqa: E402
 from test_front_util import command, metric, wait_until  # noqa: E402
 
 from kvreuse.events import Publisher  # noqa: E402
-from kvreuse.fleet.dispatch import Dispatcher  # noqa: E402
-from kvreuse.fleet.front import create_front  # noqa: E402
+from kvreuse.fleet.serving.dispatch import Dispatcher  # noqa: E402
+from kvreuse.fleet.serving.front import create_front  # noqa: E402
 from kvreuse.serve import fake_backend  # noqa: E402
 from kvreuse.serve.app import create_app  # noqa: E402
 from kvreuse.serve.server import ServerThread  # noqa: E402

@@ -20,8 +20,8 @@ import httpx  # noqa: E402
 
 from kvreuse.cli import main  # noqa: E402
 from kvreuse.deployment import resolve  # noqa: E402
-from kvreuse.fleet.dispatch import Dispatcher, NoReplica  # noqa: E402
-from kvreuse.fleet.forward import Delivery, Flight, GaveUp, relay_stream  # noqa: E402
+from kvreuse.fleet.serving.dispatch import Dispatcher, NoReplica  # noqa: E402
+from kvreuse.fleet.serving.forward import Delivery, Flight, GaveUp, relay_stream  # noqa: E402
 
 
 def _event(obj: object) -> bytes:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvreuse.deployment import preset
-from kvreuse.fleet.sim import FleetOptions, simulate_fleet
+from kvreuse.fleet.simulation.run import FleetOptions, simulate_fleet
 from kvreuse.sim.workload import WorkloadRequest, parse_line
 
 PREFIX, SUFFIX, ROUNDS = 2048, 512, 4

@@ -1,4 +1,4 @@
-"""kvreuse's fleet on Ray Serve (`kvreuse.fleet.ray_app`): a local Ray cluster, two replicas
+"""kvreuse's fleet on Ray Serve (`kvreuse.fleet.ray_serve.app`): a local Ray cluster, two replicas
 (`kvreuse serve --fake` processes in Ray replica actors) and the ingress, whose deployment
 handle routes with `KvreuseRequestRouter` through Ray Serve's public request-router API.
 
@@ -38,7 +38,7 @@ def _free_port() -> int:
 def test_ray_serve_sends_each_session_back_to_its_cache() -> None:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a local cluster
     args = ["--replicas", "2", "--fake", "--num-cpus", "4", "--port", str(_free_port())]
-    program = (str(RAY_PYTHON), "-m", "kvreuse.fleet.ray_app")
+    program = (str(RAY_PYTHON), "-m", "kvreuse.fleet.ray_serve.app")
     with command(args, "kvreuse ray:", timeout=300, program=program, env=env) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
         model = client.models.list().data[0].id
@@ -67,7 +67,7 @@ def test_ray_serve_sends_each_session_back_to_its_cache() -> None:
 def test_without_ray_the_module_imports_and_the_command_names_the_setup(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from kvreuse.fleet import ray_app
+    from kvreuse.fleet.ray_serve import app as ray_app
 
     assert "ray" not in sys.modules
     assert ray_app.main(["--replicas", "2", "--fake"]) == 2

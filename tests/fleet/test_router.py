@@ -9,7 +9,7 @@ import pytest
 
 from kvreuse.core import CacheConfig, GroupSpec, KVCacheManager, Request
 from kvreuse.events import Converter, ReplicaMirror
-from kvreuse.fleet.router import Router
+from kvreuse.fleet.routing.router import Router
 
 ATTENTION = CacheConfig(num_blocks=256, groups=[GroupSpec(kind="full", block_size=16)])
 HYBRID = CacheConfig(

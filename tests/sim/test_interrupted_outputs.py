@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kvreuse.cli import main
-from kvreuse.fleet import sim as fleet_sim
+from kvreuse.fleet.simulation import run as fleet_sim
 from kvreuse.sim import cli as sim_cli
 from kvreuse.sim import sweep
 from kvreuse.sim.generators import agent, shared_prefix

@@ -1,29 +1,23 @@
-"""`kvreuse.fleet`: several replicas behind one router, and the fleet simulation.
+"""`kvreuse.fleet`: several replicas behind one router, simulated or live.
 
-    query     a request hashed once (`Query`), and what policies read of the fleet
-    policy    round-robin, least-loaded, text-prefix, attention-chain, exact
-    router    `Router`: a mirror and a load per replica, one policy; `Decision`
-    feed      the workload's requests on their way to the router (arrivals, dependencies)
-    tier      a shared pool every replica reads (a global cache like Mooncake's store)
-    sim       `simulate_fleet`: N simulated replicas on one clock, routed as they stand
-    summary   hit rates, load balance, predicted vs delivered, the comparison table
-    cli       `kvreuse simulate --replicas N --policy P …` (`add_fleet_arguments`, `run_fleet`)
-
-A live fleet behind one OpenAI endpoint (docs/fleet-serving.md):
-
-    front         the FastAPI front: tokenise as the replicas do, route, forward, record
-    dispatch      replicas up and down, retries on a failed connection, loads in flight
-    forward       relaying a replica's answer (streams included) and reading its usage
-    front_metrics per-replica routed, predicted and delivered cached tokens (Prometheus)
-    front_cli     `kvreuse fleet --replicas N` and `kvreuse route --replica URL,EVENTS`
-    replicas      starting and stopping local `kvreuse serve` replicas
-    ray_app       a Ray Serve application of `kvreuse serve` replicas (`ray` extra), with
-    ray_deploy    its deployment, ray_router (Ray's request-router API scoring by `Router`)
-    ray_shared    and what the two share
+    routing/     what every fleet shares: a request hashed once (query), the five policies
+                 (policy), `Router`: a mirror and a load per replica under one policy (router)
+    simulation/  N simulated replicas on one clock (run: `simulate_fleet`), the workload on its
+                 way to the router (feed), a shared pool every replica reads (tier), hit rates,
+                 balance and predicted vs delivered (summary), `kvreuse simulate --replicas N`
+                 (cli)
+    serving/     a live fleet behind one OpenAI endpoint (docs/fleet-serving.md): the FastAPI
+                 front (front), replicas up and down and loads in flight (dispatch), relaying
+                 answers (forward), Prometheus series (metrics), time limits (deadlines),
+                 `kvreuse fleet` / `kvreuse route` (cli, serve_args), local replica processes
+                 (replicas)
+    ray_serve/   the same front on Ray Serve (`ray` extra): the application (app), its
+                 deployments (deploy), Ray's request-router API scoring by `Router` (router),
+                 and what the two share (shared)
 
 The router and the simulation need the `events` extra (msgspec for the mirrors' wire events;
-pyzmq too when a `Subscriber` feeds them). This file imports nothing, so `kvreuse.fleet.cli`
-can offer the options without that extra.
+pyzmq too when a `Subscriber` feeds them). This file imports nothing, so
+`kvreuse.fleet.simulation.cli` can offer the options without that extra.
 """
 
 POLICIES = ("round-robin", "least-loaded", "text-prefix", "attention-chain", "exact")

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from kvreuse.core import CacheConfig
 from kvreuse.events import ReplicaMirror, Subscriber
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT
-from kvreuse.fleet.router import Decision, Router
+from kvreuse.fleet.routing.router import Decision, Router
 
 DOWN_LOAD = 1 << 60  # the load a down replica shows the policy: no cost can prefer it
 CATCH_UP_BACKOFF_S = 5.0  # after a replay socket did not answer, skip catch-ups for this long

@@ -1,5 +1,5 @@
-"""The front's deadlines on its replicas (`Deadlines`); apart from `kvreuse.fleet.forward` so
-that the command line can offer them without the server's packages."""
+"""The front's deadlines on its replicas (`Deadlines`); apart from `kvreuse.fleet.serving.forward`
+so that the command line can offer them without the server's packages."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from typing import Protocol
 from kvreuse.core import Geometry, compute_lookup
 from kvreuse.events import attention_group
 from kvreuse.fleet import POLICIES, TEXT_MATCH_THRESHOLD
-from kvreuse.fleet.query import FleetView, Query
+from kvreuse.fleet.routing.query import FleetView, Query
 
 # Ray Serve's PrefixCacheAffinityRouter defaults besides the match threshold: its queue
 # imbalance fallback is off (an infinite threshold) and its prefix tree evicts nothing.

@@ -2,9 +2,9 @@
 whose deployment handle routes with `KvreuseRequestRouter` (the fleet's exact scores, through
 Ray Serve's public request-router API). docs/fleet-serving.md has the guide.
 
-    python -m kvreuse.fleet.ray_app --replicas 2 [--address auto|ray://HEAD:10001] [--fake]
+    python -m kvreuse.fleet.ray_serve.app --replicas 2 [--address auto|ray://HEAD:10001] [--fake]
                                     [--geometry G] [--policy exact] [--port 8000] [-- SERVE…]
-    serve run kvreuse.fleet.ray_app:app_builder replicas=2 fake=true geometry=tiny-attention
+    serve run kvreuse.fleet.ray_serve.app:app_builder replicas=2 fake=true geometry=tiny-attention
 
 Without `--address` (and without RAY_ADDRESS) it starts a local Ray cluster; with one it joins
 that cluster and deploys there, unchanged. Ray is imported only when an app is built or run:
@@ -39,8 +39,8 @@ def build_app(
 ) -> Any:
     """The Ray Serve application (`serve.run(build_app(...))`)."""
     from kvreuse.deployment import geometry_toml
-    from kvreuse.fleet import ray_deploy
-    from kvreuse.fleet.front_cli import replica_deployment
+    from kvreuse.fleet.ray_serve import deploy as ray_deploy
+    from kvreuse.fleet.serving.cli import replica_deployment
 
     if policy not in POLICIES:
         raise ValueError(f"unknown routing policy {policy!r}; choose from {', '.join(POLICIES)}")
@@ -69,8 +69,8 @@ def build_app(
 
 
 def app_builder(args: dict[str, str]) -> Any:
-    """For `serve run kvreuse.fleet.ray_app:app_builder key=value …`: replicas, geometry, fake,
-    model, num_blocks, policy, load_weight, replica_cpus, serve_args (space-separated)."""
+    """For `serve run kvreuse.fleet.ray_serve.app:app_builder key=value …`: replicas, geometry,
+    fake, model, num_blocks, policy, load_weight, replica_cpus, serve_args (space-separated)."""
     known = {"replicas", "geometry", "fake", "model", "num_blocks", "policy", "load_weight"}
     known |= {"replica_cpus", "serve_args"}
     unknown = sorted(set(args) - known)
@@ -91,7 +91,7 @@ def app_builder(args: dict[str, str]) -> Any:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m kvreuse.fleet.ray_app",
+        prog="python -m kvreuse.fleet.ray_serve.app",
         description="kvreuse replicas on Ray Serve behind an exact cache-aware request router",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

@@ -4,7 +4,7 @@ GET  /health                 200 while at least one replica is up; 503 otherwise
 GET  /v1/models              the replicas' model
 POST /v1/completions         routed, then forwarded (SSE relayed with "stream": true)
 POST /v1/chat/completions    the same; tokenised with the replicas' chat template
-GET  /metrics                per-replica routing counters (kvreuse.fleet.front_metrics); only
+GET  /metrics                per-replica routing counters (kvreuse.fleet.serving.metrics); only
                              on `metrics_port` when one is given
 GET  /fleet/replicas         each replica: url, up or down, load, event stream state; needs the
                              admin token when one is configured (401 otherwise)
@@ -20,7 +20,7 @@ that answered, which a kvreuse replica names in every response).
 Failures: a replica that cannot be reached is marked down and the request goes to another
 (nothing was sent); a replica that fails once the request is sent fails only that request, with
 an error in OpenAI's shape (502, or an error event in a stream). Every wait on a replica has a
-deadline (`kvreuse.fleet.deadlines.Deadlines`): past it the request ends with 504
+deadline (`kvreuse.fleet.serving.deadlines.Deadlines`): past it the request ends with 504
 `replica_timeout` (in a stream that has begun: an error event). A health check every
 `health_interval` seconds takes replicas out of rotation and back in; one that does not answer
 it in time also has its requests in flight ended (502 `replica_down`), while one that answers
@@ -48,9 +48,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
 
 from kvreuse.events.common import INSTANCE_HEADER
-from kvreuse.fleet.deadlines import Deadlines
-from kvreuse.fleet.dispatch import Dispatcher, Member, NoReplica, Routed
-from kvreuse.fleet.forward import (
+from kvreuse.fleet.serving.deadlines import Deadlines
+from kvreuse.fleet.serving.dispatch import Dispatcher, Member, NoReplica, Routed
+from kvreuse.fleet.serving.forward import (
     Delivery,
     Flight,
     Flights,
@@ -62,7 +62,7 @@ from kvreuse.fleet.forward import (
     read_answer,
     relay_stream,
 )
-from kvreuse.fleet.front_metrics import FrontMetrics
+from kvreuse.fleet.serving.metrics import FrontMetrics
 from kvreuse.serve.body import DEFAULT_MAX_BODY_BYTES, Disconnected, decode_json, read_body
 from kvreuse.serve.ops import PortSplit, api_error, check_admin
 from kvreuse.serve.protocol import (

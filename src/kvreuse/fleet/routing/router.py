@@ -1,5 +1,5 @@
 """A router over several replicas: a mirror of each replica's cache, each replica's load, and
-one policy (`kvreuse.fleet.policy`) that picks where a request goes.
+one policy (`kvreuse.fleet.routing.policy`) that picks where a request goes.
 
 The router hashes a request once (`Router.query`, with the hasher the replicas use) and every
 policy reads that one chain for every replica. A replica's mirror is a
@@ -35,8 +35,8 @@ from kvreuse.core import TOKEN_TYPECODE, CacheConfig, Geometry, KVCacheManager, 
 from kvreuse.events import ReplicaMirror, attention_group
 from kvreuse.events.wire import WireEvent
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT
-from kvreuse.fleet.policy import Policy, make_policy
-from kvreuse.fleet.query import ChainHasher, Query
+from kvreuse.fleet.routing.policy import Policy, make_policy
+from kvreuse.fleet.routing.query import ChainHasher, Query
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +80,7 @@ class Router:
         **policy_options: Any,
     ) -> None:
         """`policy_options`: `text_threshold`, `text_imbalance`, `text_capacity_tokens` (see
-        `kvreuse.fleet.policy.TextPrefix`)."""
+        `kvreuse.fleet.routing.policy.TextPrefix`)."""
         if isinstance(load_weight, bool) or not (
             isinstance(load_weight, int | float) and math.isfinite(load_weight) and load_weight >= 0
         ):

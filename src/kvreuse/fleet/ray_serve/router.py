@@ -15,9 +15,9 @@ policy. Rank 0 holds the candidates of lowest cost, in turns when several tie (R
 shortest queue among them, the first among equals), then the rest by cost. Load is what this
 router sent and Ray has not reported completed (`on_request_routed`, `on_request_completed`).
 
-This module needs Ray; Ray imports it by its path (`ray_deploy.ROUTER_CLASS`) when the app is
+This module needs Ray; Ray imports it by its path (`deploy.ROUTER_CLASS`) when the app is
 deployed. Ray pickles a router class with its module by value, so everything it shares with
-the ingress (the predictions) lives in `kvreuse.fleet.ray_shared`.
+the ingress (the predictions) lives in `kvreuse.fleet.ray_serve.shared`.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from ray.serve.request_router import (  # type: ignore[import-not-found, unused-
 
 from kvreuse.deployment import load_geometry
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT
-from kvreuse.fleet import ray_shared as shared
-from kvreuse.fleet.dispatch import Dispatcher, NoReplica, Routed
+from kvreuse.fleet.ray_serve import shared
+from kvreuse.fleet.serving.dispatch import Dispatcher, NoReplica, Routed
 
 log = logging.getLogger("ray.serve")
 

@@ -104,8 +104,8 @@ def _outputs(out: Path, policies: list[str]) -> list[Path]:
 
 def _check_fleet(args: argparse.Namespace, dep: Deployment, policies: list[str]) -> None:
     """Options that depend on the geometry, refused before any run (one line each)."""
-    from kvreuse.fleet.policy import make_policy
-    from kvreuse.fleet.tier import SharedTier
+    from kvreuse.fleet.routing.policy import make_policy
+    from kvreuse.fleet.simulation.tier import SharedTier
 
     # Every replica's pool is built at once in this process: the ceiling of one pool bounds
     # them together (64 replicas of the largest pool would need 190 GB).
@@ -175,7 +175,7 @@ def _run(
     progress: Progress,
 ) -> dict[str, Any]:
     """One policy's run: its rows to `rows_path` as requests finish, and its summary."""
-    from kvreuse.fleet.sim import FleetOptions, simulate_fleet
+    from kvreuse.fleet.simulation.run import FleetOptions, simulate_fleet
 
     options = FleetOptions(
         replicas=args.replicas,
@@ -208,7 +208,7 @@ def _write_reports(
 ) -> tuple[dict[str, Any], str]:
     """fleet.json and fleet.md, and the heading and table they show. `stopped`: the policy
     whose run Ctrl-C stopped; the runs that finished are there, and both files say so."""
-    from kvreuse.fleet.summary import comparison_table
+    from kvreuse.fleet.simulation.summary import comparison_table
 
     head = (
         f"{dep.name} × {args.replicas} replicas, {len(workload):,} requests"

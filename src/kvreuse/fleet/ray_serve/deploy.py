@@ -1,4 +1,4 @@
-"""The Ray Serve deployments of the fleet (imports Ray; built by `kvreuse.fleet.ray_app`).
+"""The Ray Serve deployments of the fleet (imports Ray; built by `kvreuse.fleet.ray_serve.app`).
 
     FleetIngress     OpenAI's endpoints (FastAPI); validates and tokenises each request as a
                      kvreuse replica does, and calls the replicas' handle with the tokens
@@ -29,20 +29,20 @@ from ray import serve  # type: ignore[import-not-found, unused-ignore]
 from ray.serve.config import RequestRouterConfig  # type: ignore[import-not-found, unused-ignore]
 from starlette.requests import Request as HttpRequest
 
-from kvreuse.fleet import ray_shared as shared
-from kvreuse.fleet.forward import open_upstream, read_answer, relay_stream
-from kvreuse.fleet.front import (
+from kvreuse.fleet.ray_serve import shared
+from kvreuse.fleet.serving.forward import open_upstream, read_answer, relay_stream
+from kvreuse.fleet.serving.front import (
     PREDICTED_HEADER,
     REPLICA_HEADER,
     TIMEOUT,
     install_errors,
     parse_request,
 )
-from kvreuse.fleet.replicas import ReplicaProcess
+from kvreuse.fleet.serving.replicas import ReplicaProcess
 from kvreuse.serve.body import DEFAULT_MAX_BODY_BYTES, Disconnected, read_body
 from kvreuse.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
-ROUTER_CLASS = "kvreuse.fleet.ray_router:KvreuseRequestRouter"
+ROUTER_CLASS = "kvreuse.fleet.ray_serve.router:KvreuseRequestRouter"
 
 
 def _on_node(endpoint: str | None, ip: str) -> str | None:

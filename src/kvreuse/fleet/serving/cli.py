@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT, POLICIES
-from kvreuse.fleet.deadlines import Deadlines
-from kvreuse.fleet.serve_args import UsageError, replica_args, replica_spec
+from kvreuse.fleet.serving.deadlines import Deadlines
+from kvreuse.fleet.serving.serve_args import UsageError, replica_args, replica_spec
 from kvreuse.serve import ops_options
 from kvreuse.sim.workload_cli import int_range
 
@@ -118,7 +118,7 @@ def _add_route(sub: Any) -> None:
 
 # ---------------------------------------------------------------------------- commands
 def _cmd_fleet(args: argparse.Namespace) -> int:
-    from kvreuse.fleet.replicas import LocalFleet, ReplicaError, ReplicaProcess
+    from kvreuse.fleet.serving.replicas import LocalFleet, ReplicaError, ReplicaProcess
 
     try:
         _check_common(args)
@@ -198,7 +198,7 @@ def _usage(command: str, exc: BaseException, args: argparse.Namespace | None = N
 def _open(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
     """The dispatcher and the front's listening sockets (bound first: a busy port fails fast):
     the API's, then the metrics listener's when there is one."""
-    from kvreuse.fleet.dispatch import Dispatcher
+    from kvreuse.fleet.serving.dispatch import Dispatcher
     from kvreuse.serve.server import bind
 
     # sha256 and sha256_cbor have fixed default seeds (kvreuse's and vLLM's); the others do not
@@ -239,7 +239,7 @@ def _serve(
     socks: _Sockets,
     on_shutdown: Any = None,
 ) -> int:
-    from kvreuse.fleet.front import create_front
+    from kvreuse.fleet.serving.front import create_front
     from kvreuse.serve.server import run_server
 
     app = create_front(

@@ -29,10 +29,17 @@ from kvreuse.deployment import Deployment
 from kvreuse.events import Converter
 from kvreuse.events.wire import BlockRemoved, BlockStored, WireEvent
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT
-from kvreuse.fleet.feed import FleetFeeder
-from kvreuse.fleet.router import Router
-from kvreuse.fleet.summary import FleetTally, Track, balance, prediction, reconcile, too_large
-from kvreuse.fleet.tier import SharedTier
+from kvreuse.fleet.routing.router import Router
+from kvreuse.fleet.simulation.feed import FleetFeeder
+from kvreuse.fleet.simulation.summary import (
+    FleetTally,
+    Track,
+    balance,
+    prediction,
+    reconcile,
+    too_large,
+)
+from kvreuse.fleet.simulation.tier import SharedTier
 from kvreuse.sched import FakeEngine, Scheduler, Seq
 from kvreuse.sim.cost import CostMeter, CostModel
 from kvreuse.sim.run import SimulationError

@@ -1,0 +1,1 @@
+"""How a fleet chooses a replica: the request's hashes, the policies, the router."""

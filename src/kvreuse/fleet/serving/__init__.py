@@ -1,0 +1,1 @@
+"""A live fleet behind one OpenAI endpoint: the front, dispatch, forwarding, CLI."""
