@@ -34,6 +34,7 @@ from kvreuse.events.wire import (
     WireEvent,
     hash64,
     low64,
+    stored_run,
 )
 
 
@@ -125,22 +126,15 @@ class Converter:
         at = (first - start) // u  # unit_hashes[at] is the hash at `first`
         chain = ev.unit_hashes
         parent = None if first == u else int.from_bytes(chain[at - 1][-8:], "big")
-        kind, window = self._spec[ev.group_id]
-        return BlockStored(
-            block_hashes=low64(chain[at : at + j - i]),
-            parent_block_hash=parent,
-            token_ids=list(ev.token_ids[first - u - start : last - start]),
-            block_size=u,
-            lora_id=None,
-            medium=MEDIUM_GPU,
-            lora_name=ev.lora[0] if ev.lora else None,
-            extra_keys=self._extra_keys(ev, i, j),
-            group_idx=ev.group_id,
-            kv_cache_spec_kind=kind,
-            kv_cache_spec_sliding_window=window,
-            lookahead_token_ids=(
-                [list(ev.successor_token_ids[k]) for k in range(i, j)]
-                if ev.lookahead_tokens
-                else None
-            ),
+        lookahead = ev.successor_token_ids
+        return stored_run(
+            low64(chain[at : at + j - i]),
+            parent,
+            list(ev.token_ids[first - u - start : last - start]),
+            u,
+            ev.group_id,
+            self._spec[ev.group_id],
+            ev.lora[0] if ev.lora else None,
+            self._extra_keys(ev, i, j),
+            [list(lookahead[k]) for k in range(i, j)] if ev.lookahead_tokens else None,
         )

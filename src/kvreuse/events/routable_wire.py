@@ -21,6 +21,7 @@ from kvreuse.events.wire import (
     WireEvent,
     hash64,
     low64,
+    stored_run,
 )
 
 if TYPE_CHECKING:
@@ -81,18 +82,7 @@ def _append(
         if last.lookahead_token_ids is not None and lookahead is not None:
             last.lookahead_token_ids.extend(lookahead)
         return
+    spec = (SPEC_KINDS["full"], None)
     out.append(
-        BlockStored(
-            block_hashes=low64(stretch),
-            parent_block_hash=up,
-            token_ids=list(tokens),
-            block_size=tree.u,
-            lora_id=None,
-            medium=MEDIUM_GPU,
-            lora_name=lora,
-            extra_keys=extra,
-            group_idx=tree.gid,
-            kv_cache_spec_kind=SPEC_KINDS["full"],
-            lookahead_token_ids=lookahead,
-        )
+        stored_run(low64(stretch), up, list(tokens), tree.u, tree.gid, spec, lora, extra, lookahead)
     )

@@ -87,6 +87,40 @@ class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
 WireEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
+def stored_run(
+    hashes: list[int],
+    parent: int | None,
+    tokens: list[int],
+    unit: int,
+    gid: int,
+    spec: tuple[str, int | None],
+    lora_name: str | None,
+    extra_keys: list[tuple[Any, ...] | None] | None,
+    lookahead: list[list[int]] | None,
+) -> BlockStored:
+    """The stored event of a run of `len(hashes)` consecutive units of group `gid`.
+
+    Every event mode builds its stored events here, so they fill the same fields: `spec` is
+    the group's (KVCacheSpecKind, sliding window), `tokens` the run's tokens (`unit` per
+    hash), `extra_keys` and `lookahead` one entry per hash or None.
+    """
+    kind, window = spec
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=unit,
+        lora_id=None,
+        medium=MEDIUM_GPU,
+        lora_name=lora_name,
+        extra_keys=extra_keys,
+        group_idx=gid,
+        kv_cache_spec_kind=kind,
+        kv_cache_spec_sliding_window=window,
+        lookahead_token_ids=lookahead,
+    )
+
+
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[WireEvent]
