@@ -20,9 +20,19 @@ pyzmq too when a `Subscriber` feeds them). This file imports nothing, so
 `kvreuse.fleet.simulation.cli` can offer the options without that extra.
 """
 
+# The routing policies by name; routing/policy.py builds each (and checks at import that it
+# builds exactly these).
 POLICIES = ("round-robin", "least-loaded", "text-prefix", "attention-chain", "exact")
 
-# How many prefill tokens one token of a replica's load (queued + running) is worth in the
+
+def check_policy(name: str) -> str:
+    """`name` when it names a policy of `POLICIES`; else ValueError naming the choices."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; choose from {', '.join(POLICIES)}")
+    return name
+
+
+# How many prefill tokens one token of a replica's load (routing/router.py's rule) is worth in the
 # routing cost. Dynamo's KV router weighs them equally (1), but running tokens are mostly cached
 # context that costs no compute: on the workloads of docs/fleet.md 0.02 reuses within 0.2
 # points of ignoring load and spreads the routed tokens more evenly.

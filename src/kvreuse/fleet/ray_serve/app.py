@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
-from kvreuse.fleet import DEFAULT_LOAD_WEIGHT, POLICIES
+from kvreuse.fleet import DEFAULT_LOAD_WEIGHT, POLICIES, check_policy
 
 
 def build_app(
@@ -42,8 +42,7 @@ def build_app(
     from kvreuse.fleet.ray_serve import deploy as ray_deploy
     from kvreuse.fleet.serving.cli import replica_deployment
 
-    if policy not in POLICIES:
-        raise ValueError(f"unknown routing policy {policy!r}; choose from {', '.join(POLICIES)}")
+    check_policy(policy)
     if not (type(replicas) is int and replicas >= 1):
         raise ValueError(f"replicas must be an integer ≥ 1, got {replicas!r}")
     dep = replica_deployment(geometry, fake, num_blocks)

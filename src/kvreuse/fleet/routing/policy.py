@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kvreuse.core import Geometry, compute_lookup
 from kvreuse.events import attention_group
-from kvreuse.fleet import POLICIES, TEXT_MATCH_THRESHOLD
+from kvreuse.fleet import POLICIES, TEXT_MATCH_THRESHOLD, check_policy
 from kvreuse.fleet.routing.query import FleetView, Query
 
 # Ray Serve's PrefixCacheAffinityRouter defaults besides the match threshold: its queue
@@ -255,14 +255,17 @@ def make_policy(
     """A policy by name (`POLICIES`), or `policy` itself when it is already one."""
     if not isinstance(policy, str):
         return policy
-    if policy == "round-robin":
-        return RoundRobin()
-    if policy == "least-loaded":
-        return LeastLoaded()
-    if policy == "text-prefix":
-        return TextPrefix(text_threshold, text_imbalance, text_capacity_tokens, geo.hash_unit)
-    if policy == "attention-chain":
-        return AttentionChain(geo)
-    if policy == "exact":
-        return Exact(geo)
-    raise ValueError(f"unknown routing policy {policy!r}; choose from {', '.join(POLICIES)}")
+    text = (text_threshold, text_imbalance, text_capacity_tokens)
+    return _BY_NAME[check_policy(policy)](geo, text)
+
+
+# name -> (geometry, text-prefix's (threshold, imbalance, capacity)) -> policy
+_BY_NAME: dict[str, Callable[[Geometry, tuple[float, float, int | None]], Policy]] = {
+    "round-robin": lambda geo, text: RoundRobin(),
+    "least-loaded": lambda geo, text: LeastLoaded(),
+    "text-prefix": lambda geo, text: TextPrefix(*text, geo.hash_unit),
+    "attention-chain": lambda geo, text: AttentionChain(geo),
+    "exact": lambda geo, text: Exact(geo),
+}
+if tuple(_BY_NAME) != POLICIES:  # the names are stated once, in kvreuse.fleet
+    raise ImportError(f"routing policies built {tuple(_BY_NAME)} differ from {POLICIES}")

@@ -61,6 +61,6 @@ class FleetView(Protocol):
     geometry: Geometry
     names: list[str]
     mirrors: list[ReplicaMirror]
-    load_tokens: list[int]  # queued + running tokens, as the caller last set them
-    num_requests: list[int]  # queued + running requests
+    load_tokens: list[int]  # per replica, the tokens of `Router.set_load`'s rule
+    num_requests: list[int]  # per replica, its unfinished routed requests
     load_weight: float

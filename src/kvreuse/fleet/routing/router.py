@@ -13,7 +13,11 @@ by a `kvreuse.events.Subscriber` that owns it:
     subscriber.poll(); router.set_load(i, tokens, requests)
     decision = router.route(router.query(tokens, request_id=rid))
 
-Loads are the caller's to set (`set_load`): queued + running tokens, and requests.
+A replica's load is the caller's to set (`set_load`), by one rule: the tokens of the requests
+routed to it and not yet finished (their prompts, plus the output generated so far as far as the
+caller sees it), and their number. The fleet simulation sees every step, so its load counts
+output tokens as they are generated; the live front sees an answer only when it completes, so
+its load is the prompts in flight. (docs/decisions.md D70.)
 
 Cost (policies `attention-chain` and `exact`), lowest wins, ties to the lower load then index:
 
@@ -132,7 +136,8 @@ class Router:
         self.mirrors[replica].apply(events)
 
     def set_load(self, replica: int, load_tokens: int, num_requests: int) -> None:
-        """The replica's queued + running tokens and requests, as the caller sees them now."""
+        """The replica's load now: the tokens of its unfinished routed requests (prompts, plus the
+        output so far where the caller sees it) and their number (the module's rule)."""
         self.load_tokens[replica] = load_tokens
         self.num_requests[replica] = num_requests
 

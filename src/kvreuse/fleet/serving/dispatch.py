@@ -18,7 +18,8 @@ stream of the very process that answered (a replica restarted between two health
 found by its first answer), and a replica that names another incarnation has its mirror rebuilt
 at the next decision.
 
-Load, as the policies read it: the prompt tokens of the requests in flight on the replica (routed,
+Load follows the router's rule (`kvreuse.fleet.routing.router`); the front sees an answer only
+when it completes, so a replica's load is the prompt tokens of its requests in flight (routed,
 not yet answered) and their number. A replica that is down is never chosen: if the policy picks
 one, the request goes to the live replica the policy predicted most for, then the least loaded.
 """

@@ -10,9 +10,9 @@ the fleet only when it ends (`start + step time`): its KV events reach the route
 finished requests release their dependents, and its units reach the shared tier. At equal times
 step ends come before arrivals, so a request sees every step that ended by then.
 
-A replica's load, as the router sees it: the prompt tokens of requests routed to it and not yet
-admitted plus the tokens (prompt and output so far) of its running requests, and the number of
-those requests, as of its last step.
+A replica's load follows the router's rule (`kvreuse.fleet.routing.router`): here every step is
+seen, so it is the prompts of the requests routed to the replica and not yet admitted or waiting,
+plus prompt and output so far of its running ones, as of its last step.
 """
 
 from __future__ import annotations
