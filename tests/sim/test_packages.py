@@ -1,7 +1,7 @@
 """The package layering of `src/kvreuse`, read from the source (every import, lazy ones too).
 
     core ← (oracle, tokenizer, sched, events, hfconfig) ← deployment ← (sim, engine) ← serve
-        ← fleet ← qualify ← cli
+        ← fleet ← qualify ← geometry_cli ← cli
 
 Each package imports only packages to its left, and only through `kvreuse.core`'s public names.
 (Import cycles are checked for all of src by tests/core/test_imports.py.)
@@ -28,6 +28,7 @@ LAYERS: list[set[str]] = [
     {"serve"},
     {"fleet"},
     {"qualify"},
+    {"geometry_cli"},
     {"cli"},
 ]
 # Package (a top-level module or folder of src/kvreuse) -> the packages it may import.

@@ -84,7 +84,7 @@ class Family:
 
     def head_shapes(self) -> dict[str, tuple[int, ...]]:
         v, d = self.spec.vocab_size, self.spec.hidden_size
-        out = {"model.embed_tokens.weight": (v, d)}
+        out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d)}
         if not self.tied():
             out["lm_head.weight"] = (v, d)
         return out

@@ -104,7 +104,10 @@ class Qwen3Next(Family):
 
         if not self._sparse(i):
             return mlp(m, c["intermediate_size"])
-        out = {f"{m}.gate.weight": (c["num_experts"], d), f"{m}.shared_expert_gate.weight": (1, d)}
+        out: dict[str, tuple[int, ...]] = {
+            f"{m}.gate.weight": (c["num_experts"], d),
+            f"{m}.shared_expert_gate.weight": (1, d),
+        }
         out.update(mlp(f"{m}.shared_expert", c["shared_expert_intermediate_size"]))
         for e in range(c["num_experts"]):
             out.update(mlp(f"{m}.experts.{e}", c["moe_intermediate_size"]))
