@@ -13,6 +13,7 @@ the core's sliding group of window W.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -21,13 +22,14 @@ from torch import Tensor
 from kvreuse.engine.hf.base import Family
 from kvreuse.engine.hf.ops import apply_rope, attend, rms_norm, rope_tables
 from kvreuse.engine.model import Context
+from kvreuse.hfconfig import ModelSpec
 
 ROPE_TYPES = ("default", "linear")
 
 
 class Gemma3(Family):
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, spec: ModelSpec, w: dict[str, Tensor]) -> None:
+        super().__init__(spec, w)
         if self.c.get("attn_logit_softcapping") is not None:
             raise ValueError(
                 "config.json: attn_logit_softcapping is set; the engine supports Gemma 3's "
@@ -42,7 +44,7 @@ class Gemma3(Family):
                     f"{rope.get('rope_type')!r}; supported: {list(ROPE_TYPES)}"
                 )
 
-    def _rope_params(self) -> dict[str, dict[str, object]]:
+    def _rope_params(self) -> dict[str, dict[str, Any]]:
         rope = self.c.get("rope_parameters") or {}
         return {
             "full_attention": dict(rope.get("full_attention") or {"rope_theta": 1e6}),
@@ -106,8 +108,8 @@ class Gemma3(Family):
         k = self._norm(f"{p}.k_norm.weight", self._linear(f"{p}.k_proj", h).view(n, -1, hd))
         v = self._linear(f"{p}.v_proj", h).view(n, -1, hd)
         rope = self._rope_params()["sliding_attention" if sliding else "full_attention"]
-        factor = float(rope.get("factor", 1.0)) if rope.get("rope_type") == "linear" else 1.0  # type: ignore[arg-type]
-        angles = rope_tables(pos, hd, float(rope["rope_theta"]), factor)  # type: ignore[arg-type]
+        factor = float(rope.get("factor", 1.0)) if rope.get("rope_type") == "linear" else 1.0
+        angles = rope_tables(pos, hd, float(rope["rope_theta"]), factor)
         q, k = apply_rope(q, angles), apply_rope(k, angles)
         window = self.spec.sliding_window if sliding else None
         scale = float(self.c["query_pre_attn_scalar"]) ** -0.5

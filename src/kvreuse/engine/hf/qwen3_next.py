@@ -146,11 +146,12 @@ class Qwen3Next(Family):
         top, index = probs.topk(self.c["num_experts_per_tok"], dim=-1)
         if self.c.get("norm_topk_prob", True):
             top = top / top.sum(dim=-1, keepdim=True)
+        w = self.w
         experts = [
-            tuple(self.w[f"{m}.experts.{e}.{n}_proj.weight"] for n in ("gate", "up", "down"))
-            for e in range(self.c["num_experts"])
+            (w[f"{x}.gate_proj.weight"], w[f"{x}.up_proj.weight"], w[f"{x}.down_proj.weight"])
+            for x in (f"{m}.experts.{e}" for e in range(self.c["num_experts"]))
         ]
-        out = routed_experts(h, index, top, experts)  # type: ignore[arg-type]
+        out = routed_experts(h, index, top, experts)
         shared = torch.sigmoid(h @ self.w[f"{m}.shared_expert_gate.weight"].T)
         return out + shared * self._mlp(f"{m}.shared_expert", h)
 
