@@ -241,3 +241,32 @@ def test_bad_checkpoints_say_what_is_wrong(
     save_file(weights, str(bad / "model.safetensors"))
     with pytest.raises(ValueError, match=r"missing tensor.*q_norm"):
         LLM(model=str(bad))
+
+
+def test_a_lost_sliding_window_page_is_seen(checkpoints: dict[str, tuple[Path, Any]]) -> None:
+    """A cache that kept one page too few of Gemma 3's sliding window: after the producer, the
+    page just below the window a resend reads (W = 24 before the hit) is wiped, and the resend
+    still matches the cold run; then the oldest page inside the window is wiped, and it no
+    longer does."""
+    directory, _ = checkpoints["gemma3"]
+    geo, prompts = geometry(directory), _prompts()
+    cold = _run(LLM(model=str(directory), geometry=geo, enable_caching=False), prompts)
+    cold_rows = cold["identical"][1]
+    warm = LLM(model=str(directory), geometry=geo)
+    _run(warm, {"producer": prompts["producer"]})
+    hit = _expected_hits(warm)["identical"]
+    group = next(g for g in warm.mgr.config.geometry.groups if g.kind == "sliding")
+    oldest = group.attend_from(hit) // group.page_size  # the first page the resend reads
+    blocks = {e[1]: e[4] for e in warm.mgr.export_entries() if e[0] == group.group_id}
+
+    def wipe(page: int) -> tuple[list[int], torch.Tensor, int]:
+        for layer in warm.runner.cache.members[group.group_id]:
+            for t in warm.runner.cache.kv[layer]:
+                t[:, blocks[(page + 1) * group.page_size]] = 0.0
+        return _run(warm, {"identical": prompts["identical"]})["identical"]
+
+    below = wipe(oldest - 1)
+    assert below[2] == hit > 0 and torch.allclose(below[1], cold_rows, atol=TOL, rtol=0)
+    inside = wipe(oldest)
+    assert inside[2] == hit
+    assert (inside[1] - cold_rows).abs().max().item() > 100 * TOL
