@@ -16,8 +16,9 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from kvreuse.core import CacheConfig, GroupGeometry, GroupSpec, KVCacheManager, Request
-from kvreuse.deployment import PRESETS, GeometryError, check_num_blocks, geometry_toml, resolve
+from kvreuse.core import CacheConfig, GroupSpec, KVCacheManager, Request
+from kvreuse.deployment import GeometryError, check_num_blocks
+from kvreuse.geometry_cli import add_geometry
 from kvreuse.sim.workload_cli import int_list, int_range
 
 
@@ -225,50 +226,6 @@ def _add_qualify(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_qualify)
 
 
-def _cmd_geometry(args: argparse.Namespace) -> int:
-    if args.action == "list":
-        for name in sorted(PRESETS):
-            dep = resolve(name)
-            groups = ", ".join(_describe(g) for g in dep.cache.geometry.groups)
-            spec = dep.sched.num_spec_tokens
-            drafts = f"; {spec} drafts per step ({dep.cache.spec_mode})" if spec else ""
-            print(f"{name:<20} {dep.cache.num_blocks:>6,} blocks: {groups}{drafts}")
-        return 0
-    if args.name is None:
-        print("kvreuse geometry show: name a preset (kvreuse geometry list)", file=sys.stderr)
-        return 2
-    try:
-        dep = resolve(args.name)
-    except ValueError as exc:  # GeometryError, or the core's ConfigError for a file
-        print(f"kvreuse geometry show: {exc}", file=sys.stderr)
-        return 2
-    print(f"# {dep.name}: a geometry file to start from (kvreuse simulate FILE WORKLOAD.jsonl)")
-    print(geometry_toml(dep), end="")
-    return 0
-
-
-def _describe(g: GroupGeometry) -> str:
-    """'full 2048×4 = 8192' or 'sliding 16 (window 48)': a group's kind and page."""
-    size = str(g.page_size)
-    if g.page_size != g.block_size:
-        size = f"{g.block_size}×{g.page_size // g.block_size} = {g.page_size}"
-    kind = f"{g.kind} draft" if g.is_draft else g.kind
-    extra = f" (window {g.window})" if g.window else f" (chunk {g.chunk})" if g.chunk else ""
-    return f"{kind} {size}{extra}"
-
-
-def _add_geometry(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "geometry",
-        help="list the presets, or print one as TOML",
-        description="`list`: the presets; `show NAME`: a preset (or a geometry file) as a "
-        "complete TOML geometry file to start from.",
-    )
-    p.add_argument("action", choices=("list", "show"), help="list the presets, or show one")
-    p.add_argument("name", nargs="?", help="with show: a preset name or a .toml file")
-    p.set_defaults(func=_cmd_geometry)
-
-
 class Parser(argparse.ArgumentParser):
     """argparse, with a usage error as one line (and --help named) instead of two."""
 
@@ -306,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     single = simulate.get_default("func")
     simulate.set_defaults(func=lambda a: run_fleet(a) if fleet_requested(a) else single(a))
     _add_sweep(sub)
-    _add_geometry(sub)
+    add_geometry(sub)
     _add_serve(sub)
     _add_qualify(sub)
     from kvreuse.fleet.serving.cli import add_parser as _add_fleet_front

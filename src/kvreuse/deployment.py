@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreuse.core import CacheConfig, ConfigError, GroupSpec
+from kvreuse.hfconfig import model_geometry
 from kvreuse.sched import SchedulerConfig
 
 CACHE_KEYS = {f.name for f in fields(CacheConfig) if f.init} - {"groups", "eviction_policy"}
@@ -351,12 +352,15 @@ def preset(name: str) -> Deployment:
 
 def resolve(spec: DeploymentSpec) -> Deployment:
     """A deployment from a preset name, a path to a TOML geometry file (a `Path`, or a string
-    ending in .toml or holding a "/"), or a `Deployment` (returned as is)."""
+    ending in .toml or holding a "/"), a Hugging Face model directory (its default geometry,
+    `kvreuse.hfconfig.model_geometry`), or a `Deployment` (returned as is)."""
     if isinstance(spec, Deployment):
         return spec
     if isinstance(spec, os.PathLike) or (
         isinstance(spec, str) and (spec.endswith(".toml") or "/" in spec)
     ):
+        if Path(spec).is_dir():  # a Hugging Face checkpoint: the geometry its config implies
+            return load_geometry(model_geometry(Path(spec)), str(spec))
         try:
             text = Path(spec).read_text(encoding="utf-8")
         except OSError as exc:

@@ -68,6 +68,14 @@ class ModelConfig:
         if not self.tie_word_embeddings:
             raise ValueError("config.json: only tie_word_embeddings = true is supported")
 
+    def kv_shape(self, layer: str) -> tuple[int, int]:
+        """(KV heads, head dim) of an attention layer's cache."""
+        return self.num_key_value_heads, self.head_dim
+
+    def state_shape(self, layer: str) -> tuple[int, ...]:
+        """The shape of one recurrent layer's state (one slot of its state tensor)."""
+        return self.recurrent_heads, self.recurrent_key_dim, self.recurrent_value_dim
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["layer_types"] = list(self.layer_types)

@@ -17,7 +17,8 @@ from kvreuse.core import CacheConfig, KVCacheManager, Request
 from kvreuse.deployment import DeploymentSpec, check_num_blocks, resolve
 from kvreuse.engine.checkpoint import load_model
 from kvreuse.engine.config import LAYER_KINDS, ModelConfig
-from kvreuse.engine.model import TinyModel
+from kvreuse.engine.hf import is_hf_model_dir, load_hf_model
+from kvreuse.engine.model import Model, TinyModel
 from kvreuse.engine.runner import ModelRunner
 from kvreuse.engine.sampling import SamplingParams
 from kvreuse.sched import Scheduler, Seq
@@ -36,6 +37,7 @@ class RequestOutput:
 
 
 DEFAULT_CONTEXT = 8192  # the embedded model's positions, at least
+DEFAULT_GEOMETRY = "tiny-hybrid-dcp4"
 
 
 def default_model_config(
@@ -64,7 +66,7 @@ def default_model_config(
     )
 
 
-def check_model_fits(model: ModelConfig, cache: CacheConfig) -> None:
+def check_model_fits(model: ModelConfig | Any, cache: CacheConfig) -> None:
     """Every group of the geometry must be used by a layer of the model: a group no layer
     writes would be allocated, hashed and reported as reused while holding nothing."""
     have = set(model.layer_types)
@@ -86,7 +88,7 @@ class LLM:
     def __init__(
         self,
         model: str | None = None,
-        geometry: DeploymentSpec = "tiny-hybrid-dcp4",
+        geometry: DeploymentSpec | None = None,
         *,
         num_blocks: int | None = None,
         enable_caching: bool = True,
@@ -95,20 +97,29 @@ class LLM:
         seed: int = 0,
         tokenizer: str | None = None,
     ) -> None:
-        """`geometry`: a preset name, a TOML geometry file or a `Deployment`
-        (`kvreuse.deployment.resolve`); `num_blocks` overrides its cache size.
+        """`model`: a directory with config.json and safetensors weights, kvreuse's tiny model
+        or a Hugging Face checkpoint of a supported family (`kvreuse.engine.hf`); None: the
+        seeded tiny model. `geometry`: a preset name, a TOML geometry file, a model directory
+        or a `Deployment` (`kvreuse.deployment.resolve`); None: the Hugging Face model's own
+        geometry (`kvreuse geometry from-model`), else `DEFAULT_GEOMETRY`. `num_blocks`
+        overrides its cache size.
 
         Speculation: `spec` ("ngram" or "eagle") proposes `num_spec_tokens` drafts per decode
         step (default: the geometry's `num_spec_tokens`, else 3). A geometry that sets
         `num_spec_tokens` (the tiny-spec-* presets) speculates by default, with the model's
         draft head when it has one ("eagle"), else "ngram"; `num_spec_tokens=0` turns it off."""
+        hf = model is not None and is_hf_model_dir(model)
+        if geometry is None:
+            geometry = model if hf and model is not None else DEFAULT_GEOMETRY
         geo = resolve(geometry)
+        self.deployment = geo
         changes: dict[str, object] = {"enable_prefix_caching": enable_caching}
         if num_blocks is not None:
             check_num_blocks(num_blocks, "LLM(num_blocks=...)")
             changes["num_blocks"] = num_blocks
         cache = replace(geo.cache, **changes)  # type: ignore[arg-type]
         self.tokenizer = self._load_tokenizer(model, tokenizer)
+        self.model: Model
         if model is None:
             # the embedded model's vocabulary is exactly its tokenizer's, so every id it
             # generates decodes to text
@@ -116,7 +127,7 @@ class LLM:
             self.model = TinyModel.random(config, seed)
             self.model_name = f"kvreuse-tiny-{geo.name}"
         else:
-            self.model = load_model(model)
+            self.model = load_hf_model(model) if hf else load_model(model)
             self.model_name = Path(model).name
         if self.tokenizer.vocab_size > self.model.config.vocab_size:
             raise ValueError(

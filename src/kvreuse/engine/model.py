@@ -15,7 +15,8 @@ attention layer of its own (its KV lives in the geometry's `draft` group).
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,32 @@ class Context(Protocol):
         """Run the recurrence over this step's positions from the layer's initial state."""
         ...
 
+    def scan(self, layer: str, run: Scan) -> Tensor:
+        """Run a recurrent mixer over this step's positions: `run(initial, counts)` gets the
+        layer's flat initial state (None at a sequence's start) and the token counts whose
+        states the step needs, and returns its outputs and those states."""
+        ...
+
+
+# A recurrent mixer's step: (flat initial state or None, counts) -> (outputs, {count: state})
+Scan = Callable[[Tensor | None, set[int]], tuple[Tensor, dict[int, Tensor]]]
+
+
+class Model(Protocol):
+    """What the runner and `LLM` use of a model: kvreuse's tiny one or a Hugging Face family."""
+
+    config: Any
+
+    def forward(self, ids: Tensor, positions: Tensor, ctx: Context) -> Tensor: ...
+
+    def logits(self, hidden: Tensor) -> Tensor: ...
+
+    def dense_logits(self, token_ids: list[int]) -> Tensor: ...
+
+    def draft_forward(
+        self, hidden: Tensor, next_ids: Tensor, positions: Tensor, ctx: Context
+    ) -> Tensor: ...
+
 
 class DenseContext:
     """Cache-free reference: attention over the positions themselves, recurrence from zero."""
@@ -47,6 +74,9 @@ class DenseContext:
     def recur(self, layer: str, q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor) -> Tensor:
         state = q.new_zeros(q.shape[1], q.shape[2], v.shape[2])
         return gated_scan(q, k, v, log_decay, state, set())[0]
+
+    def scan(self, layer: str, run: Scan) -> Tensor:
+        return run(None, set())[0]
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

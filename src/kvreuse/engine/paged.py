@@ -23,15 +23,18 @@ shared-slot layout, which a tiny CPU model can afford).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from kvreuse.core import CacheConfig, Copy, Geometry, RequestPlan
 from kvreuse.engine.config import ModelConfig
 from kvreuse.engine.kernels import attention_partial, gated_scan, merge_partials
+from kvreuse.engine.model import Scan
 
 
-def map_layers(model: ModelConfig, geo: Geometry) -> dict[str, int]:
+def map_layers(model: ModelConfig | Any, geo: Geometry) -> dict[str, int]:
     """Layer name -> group id. Raises ValueError when the geometry lacks a group a layer needs."""
 
     def first(kind: str, role: str = "target") -> int | None:
@@ -59,7 +62,9 @@ def map_layers(model: ModelConfig, geo: Geometry) -> dict[str, int]:
 
 
 class PagedCache:
-    def __init__(self, cache: CacheConfig, model: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cache: CacheConfig, model: ModelConfig | Any, dtype: torch.dtype) -> None:
+        """`model`: a config with layer_types, sliding_window, draft_head, kv_shape(layer) and
+        state_shape(layer) (`ModelConfig`, or a Hugging Face family's)."""
         geo = cache.geometry
         self.geo = geo
         self.dcp = cache.dcp_size
@@ -68,22 +73,16 @@ class PagedCache:
         self.kv: dict[str, tuple[Tensor, Tensor]] = {}
         self.state: dict[str, Tensor] = {}
         n = geo.num_blocks
-        shape: tuple[int, ...]  # [R, n, block, heads, dim] for attention, [n, heads, k, v] else
+        shape: tuple[int, ...]  # [R, n, block, heads, dim] for attention, [n, *state] else
         for layer, gid in self.layer_group.items():
             g = geo.groups[gid]
             self.members.setdefault(gid, []).append(layer)
             if g.is_attention:
                 ranks = self.dcp if g.sharded else 1
-                shape = (ranks, n, g.block_size, model.num_key_value_heads, model.head_dim)
+                shape = (ranks, n, g.block_size, *model.kv_shape(layer))
                 self.kv[layer] = (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
             else:
-                shape = (
-                    n,
-                    model.recurrent_heads,
-                    model.recurrent_key_dim,
-                    model.recurrent_value_dim,
-                )
-                self.state[layer] = torch.zeros(shape, dtype=dtype)
+                self.state[layer] = torch.zeros((n, *model.state_shape(layer)), dtype=dtype)
 
     def copy(self, c: Copy) -> None:
         """E1: duplicate block src into dst for every layer of the group, on every rank."""
@@ -140,13 +139,21 @@ class PagedContext:
         return merge_partials(parts)
 
     def recur(self, layer: str, q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor) -> Tensor:
+        def run(s0: Tensor | None, offsets: set[int]) -> tuple[Tensor, dict[int, Tensor]]:
+            init = q.new_zeros(self.cache.state[layer].shape[1:]) if s0 is None else s0
+            out, _, states = gated_scan(q, k, v, log_decay, init, offsets)
+            return out, states
+
+        return self.scan(layer, run)
+
+    def scan(self, layer: str, run: Scan) -> Tensor:
+        """Run a recurrent mixer from the layer's initial state (zero, or `live` after the
+        step's copies) and keep its state after every needed count for `finish`."""
         slot = self.plan.recurrent[self.cache.layer_group[layer]]
-        if slot.init == "zero":
-            s0 = q.new_zeros(self.cache.state[layer].shape[1:])
-        else:  # "copy" (the step's copies already filled live) or "keep"
-            s0 = self.cache.state[layer][slot.live].clone()
-        offsets = {c - self.start for c in self.want if self.start < c <= self.start + len(q)}
-        out, _, states = gated_scan(q, k, v, log_decay, s0, offsets)
+        s0 = None if slot.init == "zero" else self.cache.state[layer][slot.live].clone()
+        n = len(self.positions)
+        offsets = {c - self.start for c in self.want if self.start < c <= self.start + n}
+        out, states = run(s0, offsets)
         self.states[layer] = {self.start + i: st for i, st in states.items()}
         return out
 

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from kvreuse.core import CacheConfig, RequestPlan, StepPlan
-from kvreuse.engine.model import TinyModel
+from kvreuse.engine.model import Model
 from kvreuse.engine.paged import PagedCache, PagedContext
 from kvreuse.engine.sampling import GREEDY, SamplingParams, sample
 
@@ -57,7 +57,7 @@ class _DraftState:
 class ModelRunner:
     def __init__(
         self,
-        model: TinyModel,
+        model: Model,
         cache: CacheConfig,
         *,
         spec: str | None = None,

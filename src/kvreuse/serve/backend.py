@@ -9,7 +9,6 @@ save at the end of a step only.
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -115,7 +114,7 @@ def default_backend(
     model_cfg = getattr(getattr(llm, "model", None), "config", None)
     vocab = getattr(model_cfg, "vocab_size", None)
     name = served_name(llm.model_name, model)
-    wanted = (geo or resolve(_engine_default_geometry(LLM))).max_model_len
+    wanted = (geo or llm.deployment).max_model_len
     notes: tuple[str, ...] = ()
     if wanted is not None and wanted > llm.max_model_len:
         notes = (
@@ -133,8 +132,3 @@ def default_backend(
         aliases=tuple({llm.model_name} - {name}),
         notes=notes,
     )
-
-
-def _engine_default_geometry(llm_class: Any) -> Any:
-    """The geometry `LLM` uses when given none (read from its signature, not repeated here)."""
-    return inspect.signature(llm_class).parameters["geometry"].default
