@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvreuse import CacheConfig, GroupSpec, KVCacheManager
-from kvreuse.core import acceptance, compute_lookup
+from kvreuse.core import compute_lookup
+from kvreuse.core.kinds import full as acceptance
 from kvreuse.core.pool import NULL
 from kvreuse.oracle import OracleRequest, ident, oracle
 

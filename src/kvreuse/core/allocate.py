@@ -47,19 +47,10 @@ def admission_required(
     """The fresh blocks an admission needs (9.5): pages above the hit, a copy destination for
     a partial hit page, a live state (and scratch) per recurrent group, and every hit block
     that now sits in the free queue (adopting it takes it out)."""
-    h = res.hit
+    h, top = res.hit, end + extra
     required = 0
     for g in geo.groups:
-        if g.is_attention:
-            B = g.page_size
-            total = -(-(end + extra) // B)
-            if g.cacheable:
-                copy = 1 if h % B and g.needed_from(h) <= h // B else 0
-                required += total - (-(-h // B)) + copy
-            else:
-                required += total - h // B
-        else:
-            required += 1 + g.scratch
+        required += g.admission_blocks(h, top)
     # the hit blocks with no reference (in the free queue), each counted once; itemgetter
     # reads the counts in one C loop (a tuple when given two or more items)
     distinct = set(hits)
@@ -71,11 +62,10 @@ def admission_required(
 def growth_pages(geo: Geometry, req: RequestState, end: int, extra: int) -> list[tuple[int, int]]:
     """(gid, fresh pages) for every attention group a growth to [.., end + s) must extend."""
     out, tables = [], req.tables
-    for g in geo.groups:  # a plain loop: this runs once per request per step
-        if g.is_attention:
-            n = -(-(end + extra) // g.page_size) - len(tables[g.group_id])
-            if n > 0:
-                out.append((g.group_id, n))
+    for g in geo.paged:  # a plain loop: this runs once per request per step
+        n = -(-(end + extra) // g.page_size) - len(tables[g.group_id])
+        if n > 0:
+            out.append((g.group_id, n))
     return out
 
 
@@ -212,8 +202,7 @@ def grow(
         empty: dict[int, list[int]] = {g.group_id: [] for g in geo.groups}
         tables = {k: list(v) for k, v in req.tables.items()}
         room = min(
-            (len(tables[g.group_id]) * g.page_size for g in geo.groups if g.is_attention),
-            default=NO_PAGE_LIMIT,
+            (len(tables[g.group_id]) * g.page_size for g in geo.paged), default=NO_PAGE_LIMIT
         )
         req.plan_parts = parts = PlanParts(tables, rec, empty, room)
         if new_blocks is not None:

@@ -141,7 +141,7 @@ def apply_commit(
         if g.is_attention:
             if g.cacheable and geo.caching_enabled and min(t_new, nu) > req.processed[gid]:
                 _publish_attention(geo, pool, req, gid, min(t_new, nu))
-            if g.kind != "full":
+            if g.frees_pages:
                 _window_free(geo, req, gid, t_new, release)
         elif not same_range:
             if gid in by_group:
@@ -269,7 +269,8 @@ def _keep_rolling(
 def _window_free(
     geo: Geometry, req: RequestState, gid: int, t_new: int, release: list[int]
 ) -> None:
-    """10.5: sliding and chunked groups drop pages no later token can attend to."""
+    """10.5: a group that frees pages (sliding, chunked) drops those no later token can attend
+    to."""
     g = geo.groups[gid]
     B = g.page_size
     limit = g.attend_from(t_new)  # later tokens attend from here on: pages below it are dead

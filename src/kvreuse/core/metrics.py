@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvreuse.core.kinds import EntryKind
 from kvreuse.core.pool import BlockPool
 
 if TYPE_CHECKING:
@@ -86,7 +87,7 @@ def snapshot(
             cached[kinds[pool.group[b]]] += 1
         else:
             free += 1
-    entries: Counter[str] = Counter({"full": 0, "partial": 0, "state": 0})
+    entries: Counter[str] = Counter({k.value: 0 for k in EntryKind})
     for b in range(1, pool.num_blocks):
         if pool.has_keys(b):
             for boundary, _ in pool.key_list(b):

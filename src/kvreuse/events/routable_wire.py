@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 from kvreuse.events.convert import block_extra_keys
 from kvreuse.events.wire import (
     MEDIUM_GPU,
-    SPEC_KINDS,
     BlockRemoved,
     BlockStored,
     WireEvent,
@@ -92,7 +91,7 @@ def _append(
             lora_name=lora,
             extra_keys=extra,
             group_idx=tree.gid,
-            kv_cache_spec_kind=SPEC_KINDS["full"],
+            kv_cache_spec_kind=tree.geo.groups[tree.gid].wire_kind,
             lookahead_token_ids=lookahead,
         )
     )
