@@ -88,26 +88,17 @@ def admit(
     h, end = res.hit, res.hit + num_new
     # 0. fix the planned checkpoint positions on the index the lookup saw (before any pop can
     #    evict), so they equal what save_positions(req, lookup) reported.
-    req.planned = {}
+    planned = {}
     if geo.caching_enabled:
         for g in geo.recurrent:
             keys = pool.index[g.group_id]
-            req.planned[g.group_id] = planned_positions(geo, req, g, h, res.junction, keys)
+            planned[g.group_id] = planned_positions(geo, req, g, h, res.junction, keys)
     # 1. adopt every hit block (shared pages, copy sources, recurrent sources).
     pool.adopt_many(hits)
     # 2. pop fresh blocks, groups ascending, slots in table order.
-    tables, new_blocks, copies, rec = _pop_admission(geo, pool, req, res, end + extra)
-    req.tables = tables
-    req.plan_parts = None
-    req.window_lo = {}
-    req.hit = h
-    req.committed = h
-    req.scheduled = end
-    req.processed = {
-        gid: h // geo.groups[gid].page_size * geo.groups[gid].page_size for gid in tables
-    }
-    req.published_states = {g.group_id: [] for g in geo.recurrent}
-    req.dense_from = req.chain.num_units * geo.hash_unit
+    tables, new_blocks, copies, rec, slots = _pop_admission(geo, pool, res, end + extra)
+    processed = {gid: h // geo.groups[gid].page_size * geo.groups[gid].page_size for gid in tables}
+    req.admit(tables, slots, h, end, processed, planned, req.chain.num_units * geo.hash_unit)
     # 3. saves, best effort.
     saves = _pop_saves(geo, pool, counters, req, h, end)
     plan = RequestPlan(
@@ -127,14 +118,22 @@ def admit(
 
 
 def _pop_admission(
-    geo: Geometry, pool: BlockPool, req: RequestState, res: LookupResult, top: int
-) -> tuple[dict[int, list[int]], dict[int, list[int]], list[Copy], dict[int, RecurrentSlot]]:
-    """Fresh blocks of an admission covering [0, top): (tables, new blocks, copies, states)."""
+    geo: Geometry, pool: BlockPool, res: LookupResult, top: int
+) -> tuple[
+    dict[int, list[int]],
+    dict[int, list[int]],
+    list[Copy],
+    dict[int, RecurrentSlot],
+    dict[int, RecurrentSlots],
+]:
+    """Fresh blocks of an admission covering [0, top): (tables, new blocks, copies, the
+    plan's states, the request's states)."""
     h = res.hit
     tables: dict[int, list[int]] = {}
     new_blocks: dict[int, list[int]] = {}
     copies: list[Copy] = []
     rec: dict[int, RecurrentSlot] = {}
+    slots: dict[int, RecurrentSlots] = {}
     for g in geo.groups:
         gid = g.group_id
         if g.is_attention:
@@ -162,10 +161,10 @@ def _pop_admission(
             if src is not None:
                 pool.adopt(live)
                 copies.append(Copy(gid, src, live))
-            req.recurrent[gid] = RecurrentSlots(live, scratch, {})
+            slots[gid] = RecurrentSlots(live, scratch, {})
             rec[gid] = RecurrentSlot(live, tuple(scratch), "copy" if src is not None else "zero")
             new_blocks[gid] = [live, *scratch]
-    return tables, new_blocks, copies, rec
+    return tables, new_blocks, copies, rec, slots
 
 
 # ---------------------------------------------------------------------------- growth
@@ -190,9 +189,9 @@ def grow(
         new_blocks = {gid: [] for gid in req.tables}
         for gid, n in pages:
             new_blocks[gid] = fresh = pool.pop_many(gid, n)
-            req.tables[gid].extend(fresh)
-    parts = req.plan_parts
-    if new_blocks is not None or parts is None:
+            req.add_pages(gid, fresh)
+    parts = req.plan_parts  # None after any change of the tables (RequestState drops it)
+    if parts is None:
         # The plan's tables are a copy (plans are snapshots); while no page changes, every
         # growth plan shares one copy, rebuilt only when a page is added or freed.
         rec: dict[int, RecurrentSlot] = {}
@@ -204,10 +203,11 @@ def grow(
         room = min(
             (len(tables[g.group_id]) * g.page_size for g in geo.paged), default=NO_PAGE_LIMIT
         )
-        req.plan_parts = parts = PlanParts(tables, rec, empty, room)
+        parts = PlanParts(tables, rec, empty, room)
+        req.keep_plan_parts(parts)
         if new_blocks is not None:
             new_blocks = {**empty, **new_blocks}
-    req.scheduled = end
+    req.schedule(end)
     saves: list[PlannedSave] = []
     # A quiet decode step (most of them) owes no save: checked here to skip a call per step.
     if geo.recurrent and geo.caching_enabled and not is_quiet_decode(geo, req, start, end):
@@ -245,7 +245,7 @@ def grow_plain(geo: Geometry, req: RequestState, num_new: int) -> PlanRecord | N
         return None
     if geo.recurrent and geo.caching_enabled and not is_quiet_decode(geo, req, start, end):
         return None
-    req.scheduled = end
+    req.schedule(end)
     plan = RequestPlan(  # positional, as in `grow`
         req.request_id, start, num_new, 0, parts.tables, parts.recurrent, parts.new_blocks, [], []
     )
@@ -265,10 +265,10 @@ def _pop_saves(
     out: list[PlannedSave] = []
     for g in geo.recurrent:
         gid = g.group_id
-        planned = req.planned[gid]
-        for c in dense_positions(geo, req, g, start, end, pool.index[gid]):
-            planned[c] = SavePurpose.DENSE
-        for c, why, is_planned in step_saves(geo, req, start, end, planned):
+        dense = dense_positions(geo, req, g, start, end, pool.index[gid])
+        if dense:
+            req.plan_dense(gid, dense)
+        for c, why, is_planned in step_saves(geo, req, start, end, req.planned[gid]):
             if not pool.num_free:
                 counters["saves_skipped"] += 1
                 continue

@@ -119,10 +119,7 @@ def apply_commit(
     t_new, tokens, _ = outcome
     u = geo.hash_unit
     num_units = req.chain.num_units
-    if tokens:
-        req.tokens.extend(tokens)
-        if len(req.tokens) - geo.lookahead >= (num_units + 1) * u:  # a unit completed
-            req.chain.extend(req.tokens)
+    req.extend(tokens, geo.lookahead, u)  # (hashes the units they complete)
     release: list[int] = []
     for c in rec.copies:  # 2. pending copy references (dst keeps its table reference)
         release += (c.src, c.dst)
@@ -148,7 +145,7 @@ def apply_commit(
                 _settle_saves(geo, pool, counters, req, by_group[gid], outcome, release)
             if req.recurrent[gid].held:
                 _keep_rolling(geo, req, gid, t_new, release)
-    req.committed = t_new
+    req.commit_to(t_new)
     if release:
         pool.release(release)
 
@@ -176,10 +173,8 @@ def commit_quiet(geo: Geometry, rec: PlanRecord, outcome: Checked) -> bool:
     for gid in geo.published:
         if e >= processed[gid] + u:  # a boundary in (d, E] to publish (10.3)
             return False
-    req.tokens.extend(tokens)
-    if grows:
-        chain.extend(req.tokens)
-    req.committed = t_new
+    req.extend(tokens, geo.lookahead, u)
+    req.commit_to(t_new)
     return True
 
 
@@ -199,7 +194,7 @@ def _publish_attention(geo: Geometry, pool: BlockPool, req: RequestState, gid: i
     else:
         blocks = [row[(b - 1) // page] for b in bounds]
     pool.publish(gid, bounds, keys, blocks, req)
-    req.processed[gid] = e // u * u
+    req.mark_processed(gid, e // u * u)
 
 
 def _settle_saves(
@@ -219,7 +214,6 @@ def _settle_saves(
     t_new, _, saved = outcome
     u = geo.hash_unit
     nu = req.chain.num_units * u
-    held = req.recurrent[gid].held
     ordered = sorted(saves)
     # Every valid planned save is published in one call, in position order: of two saves at
     # one position, the first publishes and the second finds its key present.
@@ -240,10 +234,10 @@ def _settle_saves(
         published = valid and planned and c in won
         if published:
             won.discard(c)  # a later save at the same position was not published
-            req.published_states[gid].append(c)
+            req.note_published_state(gid, c)
             counters["saves_published"] += 1
         if valid and rolling:
-            held[c] = blk  # the pending reference becomes the held reference
+            req.hold(gid, c, blk)  # the pending reference becomes the held reference
             if not published:
                 counters["saves_held"] += 1
         else:
@@ -261,9 +255,7 @@ def _keep_rolling(
     lo, hi = rolling_range(geo, req.chain.num_units, t_new)
     if lo <= min(held) and max(held) <= hi:
         return  # most decode commits: the held states are still the ones to keep
-    for c in sorted(held, reverse=True):
-        if not lo <= c <= hi:
-            release.append(held.pop(c))
+    release += req.drop_held(gid, lo, hi)
 
 
 def _window_free(
@@ -272,20 +264,9 @@ def _window_free(
     """10.5: a group that frees pages (sliding, chunked) drops those no later token can attend
     to."""
     g = geo.groups[gid]
-    B = g.page_size
     limit = g.attend_from(t_new)  # later tokens attend from here on: pages below it are dead
-    row = req.tables[gid]
-    top = min(limit // B, len(row))
-    lo = req.window_lo.get(gid, 0)
-    # Every page below `lo` was freed (or never held) by an earlier commit: the scan covers
-    # only what left the window since, not the whole table on every decode step.
-    for j in range(top - 1, lo - 1, -1):
-        if row[j] != NULL:
-            release.append(row[j])
-            row[j] = NULL
-    if top > lo:
-        req.window_lo[gid] = top
-        req.plan_parts = None  # the next plan's tables must show the freed pages
+    if limit // g.page_size > req.window_lo.get(gid, 0):  # else nothing left the window
+        release += req.free_window(gid, limit // g.page_size)
 
 
 # ---------------------------------------------------------------------------- release
@@ -309,7 +290,8 @@ def release_request(
     dropped: Iterable[PlanRecord],
 ) -> None:
     """Spec §11.5 steps 2–3: publish φ(T), release every slot of the request and every pending
-    reference of its dropped plans in one batch. The caller settles the phase and the ledger."""
+    reference of its dropped plans in one batch. The caller settles the ledger and the request
+    (`RequestState.release`)."""
     copies: dict[int, list[int]] = {}
     saves: dict[int, list[int]] = {}
     for rec in dropped:  # most finishes drop no plan
@@ -343,10 +325,6 @@ def release_request(
             order.extend(copies.get(gid, ()))
             order.append(slots.live)
     pool.release(order)
-    req.tables, req.recurrent, req.planned = {}, {}, {}
-    req.plan_parts = None
-    req.processed, req.published_states = {}, {}
-    req.committed = req.scheduled = req.hit = 0
 
 
 def _publish_finish_state(

@@ -169,7 +169,6 @@ class KVCacheManager:
                 return None
             rec = admit(geo, pool, self.counters, st, lookup, num_new_tokens, num_extra_slots, hits)
             count_admission(self.counters, self.reasons, st, lookup.hit, lookup.reason)
-            st.phase = Phase.RUNNING
         else:
             rec = grow(geo, pool, self.counters, st, num_new_tokens, num_extra_slots, free)
             if rec is None:
@@ -260,8 +259,6 @@ class KVCacheManager:
         for rec, outcome in parsed:
             if not (rec.quiet and commit_quiet(geo, rec, outcome)):
                 apply(geo, pool, counters, rec, outcome)
-            if not rec.req.inflight:
-                rec.req.scheduled = rec.req.committed
         if len(parsed) < len(recs):  # else no record was withdrawn or deferred
             self._settle_deferred(recs, discard=False)
         self.epoch += 1
@@ -289,7 +286,7 @@ class KVCacheManager:
     def _release(self, st: RequestState, dropped: list[PlanRecord], then: Deferral) -> None:
         release_request(self.geo, self.pool, self.counters, st, dropped)
         self.ledger.forget(st)
-        st.phase = Phase.FINISHED if then is Deferral.FINISH else Phase.WAITING
+        st.release(Phase.FINISHED if then is Deferral.FINISH else Phase.WAITING)
         if then is Deferral.FINISH:
             self._forget(st)
 

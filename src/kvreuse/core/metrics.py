@@ -49,18 +49,15 @@ def count_admission(
 ) -> None:
     """12.1: a first admission moves the prefix_cache_* counters, a re-admission the
     preempted_* ones; per-request statistics keep the first admission's hit and reason."""
-    if st.admissions == 0:
+    if st.note_admission(hit, reason):
         counters["prefix_cache_requests"] += 1
         counters["prefix_cache_queries"] += st.prompt_len
         counters["prefix_cache_hits"] += hit
         reasons[reason] += 1
-        st.first_hit, st.first_reason = hit, reason
     else:
         counters["prefix_cache_preempted_requests"] += 1
         counters["prefix_cache_preempted_queries"] += len(st.tokens)
         counters["prefix_cache_preempted_hits"] += hit
-    st.admissions += 1
-    st.last_hit, st.last_reason = hit, reason
 
 
 def new_counters() -> Counter[str]:
