@@ -175,38 +175,33 @@ def grow(
     req: RequestState,
     num_new: int,
     extra: int,
-    free: int,
 ) -> PlanRecord | None:
     """Append fresh pages for [start, end + s) and plan this step's saves (9.6); None, with
-    nothing changed, when the fresh pages exceed `free`."""
+    nothing changed, when the fresh pages exceed the free blocks.
+
+    The plan's tables are a copy (plans are snapshots); while no page changes, every growth
+    plan of the request shares one copy (`PlanParts`, dropped by the request when its tables
+    change). A growth within its `room` adds no page, so most decode steps take the kept
+    parts as they are: no page is counted, popped or copied."""
     start = req.scheduled
     end = start + num_new
-    pages = growth_pages(geo, req, end, extra)
+    parts = req.plan_parts
     new_blocks: dict[int, list[int]] | None = None
-    if pages:  # most decode steps need no page
-        if sum(n for _, n in pages) > free:
-            return None
-        new_blocks = {gid: [] for gid in req.tables}
-        for gid, n in pages:
-            new_blocks[gid] = fresh = pool.pop_many(gid, n)
-            req.add_pages(gid, fresh)
-    parts = req.plan_parts  # None after any change of the tables (RequestState drops it)
-    if parts is None:
-        # The plan's tables are a copy (plans are snapshots); while no page changes, every
-        # growth plan shares one copy, rebuilt only when a page is added or freed.
-        rec: dict[int, RecurrentSlot] = {}
-        for g in geo.recurrent:
-            slots = req.recurrent[g.group_id]  # live and scratch stay fixed while it runs
-            rec[g.group_id] = RecurrentSlot(slots.live, tuple(slots.scratch), "keep")
-        empty: dict[int, list[int]] = {g.group_id: [] for g in geo.groups}
-        tables = {k: list(v) for k, v in req.tables.items()}
-        room = min(
-            (len(tables[g.group_id]) * g.page_size for g in geo.paged), default=NO_PAGE_LIMIT
-        )
-        parts = PlanParts(tables, rec, empty, room)
-        req.keep_plan_parts(parts)
+    if parts is None or end + extra > parts.room:
+        pages = growth_pages(geo, req, end, extra)
+        if pages:
+            if sum(n for _, n in pages) > pool.num_free:
+                return None
+            new_blocks = {gid: [] for gid in req.tables}
+            for gid, n in pages:
+                new_blocks[gid] = fresh = pool.pop_many(gid, n)
+                req.add_pages(gid, fresh)
+        parts = req.plan_parts
+        if parts is None:
+            parts = _plan_parts(geo, req)
+            req.keep_plan_parts(parts)
         if new_blocks is not None:
-            new_blocks = {**empty, **new_blocks}
+            new_blocks = {**parts.new_blocks, **new_blocks}
     req.schedule(end)
     saves: list[PlannedSave] = []
     # A quiet decode step (most of them) owes no save: checked here to skip a call per step.
@@ -234,25 +229,18 @@ def grow(
     return record
 
 
-def grow_plain(geo: Geometry, req: RequestState, num_new: int) -> PlanRecord | None:
-    """`grow` of a growth that adds no page and owes no save (most decode steps), built without
-    its general work; None when the growth is not one (then `grow` runs). The caller has
-    checked `plain_growth`, and the result is the record `grow` would build."""
-    parts = req.plan_parts
-    start = req.scheduled
-    end = start + num_new
-    if parts is None or end > parts.room:
-        return None
-    if geo.recurrent and geo.caching_enabled and not is_quiet_decode(geo, req, start, end):
-        return None
-    req.schedule(end)
-    plan = RequestPlan(  # positional, as in `grow`
-        req.request_id, start, num_new, 0, parts.tables, parts.recurrent, parts.new_blocks, [], []
-    )
-    record = PlanRecord(req, plan, [], [], start, end)
-    u = geo.hash_unit
-    record.quiet = start // u == end // u and start == req.committed and not req.inflight
-    return record
+def _plan_parts(geo: Geometry, req: RequestState) -> PlanParts:
+    """What every growth plan repeats while no page changes: a copy of the tables, the
+    recurrent slots (live and scratch stay fixed while the request runs), no new blocks, and
+    the tokens the tables cover."""
+    rec: dict[int, RecurrentSlot] = {}
+    for g in geo.recurrent:
+        slots = req.recurrent[g.group_id]
+        rec[g.group_id] = RecurrentSlot(slots.live, tuple(slots.scratch), "keep")
+    empty: dict[int, list[int]] = {g.group_id: [] for g in geo.groups}
+    tables = {k: list(v) for k, v in req.tables.items()}
+    room = min((len(tables[g.group_id]) * g.page_size for g in geo.paged), default=NO_PAGE_LIMIT)
+    return PlanParts(tables, rec, empty, room)
 
 
 def _pop_saves(

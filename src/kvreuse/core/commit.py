@@ -46,25 +46,13 @@ Checked = tuple[int, list[int], AbstractSet[int] | None]
 
 
 def parse_outcome(rec: PlanRecord, outcome: Any) -> Checked:
-    """Check one outcome (an `Outcome` or a plain tuple) against spec §10.1."""
+    """Check one outcome (an `Outcome` or a plain tuple) against spec §10.1.
+
+    One validation, its cheapest checks first: the common decode outcome (an int T′ and one
+    valid token) passes each of them without the general token check."""
     req = rec.req
-    if type(outcome) is tuple and 2 <= len(outcome) <= 3:  # the common decode outcome, first
-        t_new, new_tokens = outcome[0], outcome[1]
-        if (
-            type(t_new) is int
-            and type(new_tokens) is list
-            and len(new_tokens) == 1
-            and t_new == len(req.tokens)  # T′ = N, the one value a single new token allows
-            and rec.start <= t_new <= rec.end
-            and type(new_tokens[0]) is int
-            and 0 <= new_tokens[0] < MAX_TOKEN
-            and (len(outcome) == 2 or outcome[2] is None or not outcome[2])
-        ):
-            if len(outcome) == 2 or outcome[2] is None:
-                return t_new, [new_tokens[0]], None
-            return t_new, [new_tokens[0]], _NO_SAVES
     rid = req.request_id
-    if not isinstance(outcome, (tuple, list)) or len(outcome) not in (2, 3):
+    if not isinstance(outcome, tuple | list) or len(outcome) not in (2, 3):
         raise ValueError(
             f"commit: outcome of {rid!r} must be (T', new_token_ids) or "
             f"(T', new_token_ids, saved_positions), got {outcome!r}"
@@ -72,13 +60,13 @@ def parse_outcome(rec: PlanRecord, outcome: Any) -> Checked:
     t_new, new_tokens = outcome[0], outcome[1]
     if type(t_new) is not int and (isinstance(t_new, bool) or not isinstance(t_new, int)):
         raise ValueError(f"commit: T' of {rid!r} must be an int, got {t_new!r}")
-    if (  # the common decode outcome, one valid token: no general validation needed
+    if (
         type(new_tokens) is list
         and len(new_tokens) == 1
         and type(new_tokens[0]) is int
         and 0 <= new_tokens[0] < MAX_TOKEN
     ):
-        tokens = list(new_tokens)
+        tokens = [new_tokens[0]]
     else:
         tokens = check_tokens(new_tokens, f"commit: new_token_ids of {rid!r}")
     if not rec.start <= t_new <= rec.end:
@@ -86,27 +74,29 @@ def parse_outcome(rec: PlanRecord, outcome: Any) -> Checked:
             f"commit: T'={t_new} of {rid!r} is outside its step [{rec.start}, {rec.end}]"
         )
     num = len(req.tokens)
-    if not tokens and t_new >= num:
-        raise ValueError(
-            f"commit: {rid!r} reports T'={t_new} ≥ N={num} without a new token; a step that "
-            "reaches the end of the known tokens samples one"
-        )
-    if tokens and not num <= t_new <= num + len(tokens) - 1:
+    if not tokens:
+        if t_new >= num:
+            raise ValueError(
+                f"commit: {rid!r} reports T'={t_new} ≥ N={num} without a new token; a step "
+                "that reaches the end of the known tokens samples one"
+            )
+    elif not num <= t_new <= num + len(tokens) - 1:
         raise ValueError(
             f"commit: {rid!r} reports T'={t_new} with {len(tokens)} new tokens; with N={num} "
             f"T' must lie in [{num}, {num + len(tokens) - 1}]"
         )
-    saved: AbstractSet[int] | None = None
-    if len(outcome) == 3 and outcome[2] is not None:
-        if not outcome[2]:
-            return t_new, tokens, _NO_SAVES  # the engine wrote no state (the common decode)
-        saved = set(outcome[2])
-        mine = {s.position for s in rec.saves}
-        if not saved <= mine:
-            raise ValueError(
-                f"commit: saved_positions {sorted(saved - mine)} of {rid!r} are not saves of "
-                f"this step (planned: {sorted(mine)})"
-            )
+    saved = outcome[2] if len(outcome) == 3 else None
+    if saved is None:
+        return t_new, tokens, None
+    if not saved:
+        return t_new, tokens, _NO_SAVES  # the engine wrote no state (the common decode)
+    saved = set(saved)
+    mine = {s.position for s in rec.saves}
+    if not saved <= mine:
+        raise ValueError(
+            f"commit: saved_positions {sorted(saved - mine)} of {rid!r} are not saves of "
+            f"this step (planned: {sorted(mine)})"
+        )
     return t_new, tokens, saved
 
 
@@ -114,16 +104,22 @@ def parse_outcome(rec: PlanRecord, outcome: Any) -> Checked:
 def apply_commit(
     geo: Geometry, pool: BlockPool, counters: Counter[str], rec: PlanRecord, outcome: Checked
 ) -> None:
-    """Steps 1–7 of spec §10.1 for one request."""
+    """Steps 1–7 of spec §10.1 for one request.
+
+    Each step is skipped, with the same result, when it has nothing to do. Most decode commits
+    leave nothing to any of them (`_only_tokens`) and end once their tokens are appended."""
     req = rec.req
     t_new, tokens, _ = outcome
     u = geo.hash_unit
     num_units = req.chain.num_units
     req.extend(tokens, geo.lookahead, u)  # (hashes the units they complete)
+    nu = req.chain.num_units * u
+    if not rec.saves and not rec.copies and _only_tokens(geo, req, t_new, nu, num_units * u):
+        req.commit_to(t_new)
+        return
     release: list[int] = []
     for c in rec.copies:  # 2. pending copy references (dst keeps its table reference)
         release += (c.src, c.dst)
-    nu = req.chain.num_units * u
     by_group: dict[int, list[PlannedSave]] = {}
     for s in rec.saves:  # most decode commits settle no save
         by_group.setdefault(s.gid, []).append(s)
@@ -131,8 +127,6 @@ def apply_commit(
     # one, the same units and T′ in the unit of the last commit, they are still the right ones
     # (most decode commits of a hybrid).
     same_range = not by_group and nu == num_units * u and t_new // u == req.committed // u
-    # Each step below is skipped, with the same result, when it has nothing to do: most
-    # decode commits publish nothing, free nothing and settle no save.
     for g in geo.groups:
         gid = g.group_id
         if g.is_attention:
@@ -150,31 +144,19 @@ def apply_commit(
         pool.release(release)
 
 
-def commit_quiet(geo: Geometry, rec: PlanRecord, outcome: Checked) -> bool:
-    """`apply_commit` of a quiet record (no copy, no save, within one unit) whose commit only
-    appends its tokens, moves T and, on a model without recurrent groups, hashes a unit the
-    tokens complete: no boundary is left to publish, no window group frees a page, and the
-    held rolling states stay the right ones (the same units, T′ in T's unit). Most decode
-    commits are this. False, with nothing changed, otherwise (then `apply_commit` runs)."""
-    if geo.windowed:
-        return False
-    req = rec.req
-    t_new, tokens, _ = outcome
+def _only_tokens(geo: Geometry, req: RequestState, t_new: int, nu: int, old_nu: int) -> bool:
+    """Whether a commit with no copy and no save leaves every step of `apply_commit` nothing
+    to do: T′ in T's unit, no group that frees pages, no boundary in (d, E] to publish and, on
+    a model with recurrent groups, no unit completed (the held states stay the right ones)."""
     u = geo.hash_unit
-    if t_new // u != req.committed // u:
+    if geo.windowed or t_new // u != req.committed // u or (geo.recurrent and nu != old_nu):
         return False
-    chain = req.chain
-    num_units = max(chain.num_units, (len(req.tokens) + len(tokens) - geo.lookahead) // u)
-    grows = num_units > chain.num_units  # a unit completes: the chain grows (Chain.extend)
-    if grows and geo.recurrent:
-        return False  # the rolling states to hold may change
-    e = min(t_new, num_units * u)
+    e = min(t_new, nu)
     processed = req.processed
-    for gid in geo.published:
+    # a loop, not all(): a generator costs a frame on every decode commit
+    for gid in geo.published:  # noqa: SIM110
         if e >= processed[gid] + u:  # a boundary in (d, E] to publish (10.3)
             return False
-    req.extend(tokens, geo.lookahead, u)
-    req.commit_to(t_new)
     return True
 
 
