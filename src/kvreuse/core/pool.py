@@ -167,33 +167,27 @@ class BlockPool:
         block and no key present or repeated, skips nothing: the index then takes every key in
         one C-level update, and the loop only places each key on its block."""
         idx, key1, b1, group = self.index[group_id], self._key1, self._b1, self.group
+        bulk = False
         if self._full_page[group_id] == self._unit and NULL not in blocks:
             new = dict(zip(keys, blocks, strict=True))
-            if len(new) == len(keys) and idx.keys().isdisjoint(new):
+            bulk = len(new) == len(keys) and idx.keys().isdisjoint(new)
+            if bulk:
                 idx.update(new)
-                for blk, key, b in zip(blocks, keys, boundaries, strict=True):
-                    if key1[blk] is None:
-                        key1[blk] = key
-                        b1[blk] = b
-                    else:
-                        self._attach(blk, b, key)
-                    group[blk] = group_id
-                self._published(group_id, list(boundaries), list(keys))
-                return list(boundaries)
-        done: list[int] = []
-        fresh: list[bytes] = []
+        done: list[int] = list(boundaries) if bulk else []
+        fresh: list[bytes] = list(keys) if bulk else []
         for b, key, blk in zip(boundaries, keys, blocks, strict=True):
-            if not blk or key in idx:
-                continue
-            idx[key] = blk
+            if not bulk:
+                if not blk or key in idx:
+                    continue
+                idx[key] = blk
+                done.append(b)
+                fresh.append(key)
             if key1[blk] is None:
                 key1[blk] = key
                 b1[blk] = b
             else:
                 self._attach(blk, b, key)
             group[blk] = group_id
-            done.append(b)
-            fresh.append(key)
         if fresh:
             self._published(group_id, done, fresh)
         return done

@@ -8,51 +8,36 @@
 
 PyObject *kvr_publish_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
-/* Move a block's inline key (b1, old) to its list of lower keys: `_attach`'s ascending case. */
-static int
-push_lower(PyObject *more, PyObject *blk, int32_t b1, PyObject *old)
+/* The list of lower keys of block `blk` in `more`, made empty if it has none (borrowed). */
+static PyObject *
+lower_keys(PyObject *more, PyObject *blk)
 {
-    PyObject *lower = PyDict_GetItemWithError(more, blk), *bo, *pair;
-    int rc;
-    if (lower == NULL) {
-        if (PyErr_Occurred() || (lower = PyList_New(0)) == NULL)
-            return -1;
-        rc = PyDict_SetItem(more, blk, lower);
-        Py_DECREF(lower); /* the dict holds it */
-        if (rc < 0)
-            return -1;
+    PyObject *lower = PyDict_GetItemWithError(more, blk);
+    if (lower != NULL || PyErr_Occurred())
+        return lower;
+    if ((lower = PyList_New(0)) == NULL)
+        return NULL;
+    if (PyDict_SetItem(more, blk, lower) < 0) {
+        Py_DECREF(lower);
+        return NULL;
     }
-    if ((bo = PyLong_FromLong(b1)) == NULL)
-        return -1;
-    pair = PyTuple_Pack(2, bo, old);
-    Py_DECREF(bo);
-    if (pair == NULL)
-        return -1;
-    rc = PyList_Append(lower, pair);
-    Py_DECREF(pair);
-    return rc;
+    Py_DECREF(lower); /* the dict holds it */
+    return lower;
 }
 
-/* Add (bd, key) to a block's lower keys, which stay ascending: `_attach`'s sorting case (a key
- * below the block's highest, published after it). */
+/* Add (bd, key) to block `blk`'s lower keys (ascending): `_attach`. `sort`: the key is below
+ * the block's highest and is sorted in; else it is the old highest key, moved down, and the
+ * largest of them (publication is ascending). */
 static int
-insert_lower(PyObject *more, PyObject *blk, PyObject *bd, PyObject *key)
+add_lower(PyObject *more, PyObject *blk, PyObject *bd, PyObject *key, int sort)
 {
-    PyObject *lower = PyDict_GetItemWithError(more, blk), *pair;
+    PyObject *lower = lower_keys(more, blk), *pair;
     int rc;
-    if (lower == NULL) {
-        if (PyErr_Occurred() || (lower = PyList_New(0)) == NULL)
-            return -1;
-        rc = PyDict_SetItem(more, blk, lower);
-        Py_DECREF(lower); /* the dict holds it */
-        if (rc < 0)
-            return -1;
-    }
-    if ((pair = PyTuple_Pack(2, bd, key)) == NULL)
+    if (lower == NULL || (pair = PyTuple_Pack(2, bd, key)) == NULL)
         return -1;
     rc = PyList_Append(lower, pair);
     Py_DECREF(pair);
-    return rc < 0 ? -1 : PyList_Sort(lower);
+    return rc < 0 ? -1 : sort ? PyList_Sort(lower) : 0;
 }
 
 typedef struct {
@@ -89,12 +74,17 @@ publish_one(publication *p, Py_ssize_t i)
     if (PyDict_GET_SIZE(p->idx) == size)
         return 0; /* the first publisher keeps the key */
     if (old != Py_None && bd <= I32(p->b1)[b]) { /* below the block's highest key */
-        if (insert_lower(p->more, item, bd_obj, key) < 0)
+        if (add_lower(p->more, item, bd_obj, key, 1) < 0)
             return -1;
     }
     else {
-        if (old != Py_None && push_lower(p->more, item, I32(p->b1)[b], old) < 0)
-            return -1;
+        if (old != Py_None) { /* the old highest key joins the lower ones */
+            PyObject *old_bd = PyLong_FromLong(I32(p->b1)[b]);
+            int rc = old_bd == NULL ? -1 : add_lower(p->more, item, old_bd, old, 0);
+            Py_XDECREF(old_bd);
+            if (rc < 0)
+                return -1;
+        }
         Py_INCREF(key);
         PyList_SetItem(p->key1, b, key); /* releases the old inline key, kept in `more` if any */
         I32(p->b1)[b] = (int32_t)bd;
