@@ -268,6 +268,18 @@ def _check_vllm_hashes(cfg: CacheConfig, groups: tuple[GroupGeometry, ...], u: i
         )
 
 
+def _check_pages(cacheable: list[GroupGeometry], u: int) -> None:
+    """V4: the hash unit divides every cacheable page."""
+    page_gcd = math.gcd(*(g.page_size for g in cacheable)) if cacheable else u
+    for g in cacheable:
+        if g.page_size % u:
+            raise ConfigError(
+                f"hash_unit {u} does not divide the page of {g.describe()}. Every page must be a "
+                f"multiple of hash_unit; valid values divide {page_gcd}: "
+                f"{', '.join(map(str, _divisors(page_gcd)))}."
+            )
+
+
 def _resolve(cfg: CacheConfig) -> Geometry:
     _check_scalars(cfg)
     groups = tuple(_resolve_group(cfg, gid, spec) for gid, spec in enumerate(cfg.groups))
@@ -278,14 +290,7 @@ def _resolve(cfg: CacheConfig) -> Geometry:
     else:
         check_int("hash_unit", cfg.hash_unit, 1)  # V4
         u = cfg.hash_unit
-    page_gcd = math.gcd(*(g.page_size for g in cacheable)) if cacheable else u
-    for g in cacheable:
-        if g.page_size % u:
-            raise ConfigError(
-                f"hash_unit {u} does not divide the page of {g.describe()}. Every page must be a "
-                f"multiple of hash_unit; valid values divide {page_gcd}: "
-                f"{', '.join(map(str, _divisors(page_gcd)))}."
-            )
+    _check_pages(cacheable, u)
     lookahead = 0
     if cfg.spec_mode == "lookahead":  # V5
         check_int("lookahead_tokens", cfg.lookahead_tokens, 1)
