@@ -107,16 +107,31 @@ def apply_commit(
     """Steps 1–7 of spec §10.1 for one request.
 
     Each step is skipped, with the same result, when it has nothing to do. Most decode commits
-    leave nothing to any of them (`_only_tokens`) and end once their tokens are appended."""
+    leave nothing to any of them and end once their tokens are appended."""
     req = rec.req
     t_new, tokens, _ = outcome
     u = geo.hash_unit
     num_units = req.chain.num_units
     req.extend(tokens, geo.lookahead, u)  # (hashes the units they complete)
     nu = req.chain.num_units * u
-    if not rec.saves and not rec.copies and _only_tokens(geo, req, t_new, nu, num_units * u):
-        req.commit_to(t_new)
-        return
+    # Nothing left to any later step (most decode commits): no copy or save to settle, T′ in
+    # T's unit, no group that frees pages, no unit completed where held states could change,
+    # and no boundary in (d, E] to publish (10.3).
+    if (
+        not rec.saves
+        and not rec.copies
+        and not geo.windowed
+        and t_new // u == req.committed // u
+        and (nu == num_units * u or not geo.recurrent)
+    ):
+        e = min(t_new, nu)
+        processed = req.processed
+        for gid in geo.published:
+            if e >= processed[gid] + u:
+                break
+        else:
+            req.commit_to(t_new)
+            return
     release: list[int] = []
     for c in rec.copies:  # 2. pending copy references (dst keeps its table reference)
         release += (c.src, c.dst)
@@ -142,22 +157,6 @@ def apply_commit(
     req.commit_to(t_new)
     if release:
         pool.release(release)
-
-
-def _only_tokens(geo: Geometry, req: RequestState, t_new: int, nu: int, old_nu: int) -> bool:
-    """Whether a commit with no copy and no save leaves every step of `apply_commit` nothing
-    to do: T′ in T's unit, no group that frees pages, no boundary in (d, E] to publish and, on
-    a model with recurrent groups, no unit completed (the held states stay the right ones)."""
-    u = geo.hash_unit
-    if geo.windowed or t_new // u != req.committed // u or (geo.recurrent and nu != old_nu):
-        return False
-    e = min(t_new, nu)
-    processed = req.processed
-    # a loop, not all(): a generator costs a frame on every decode commit
-    for gid in geo.published:  # noqa: SIM110
-        if e >= processed[gid] + u:  # a boundary in (d, E] to publish (10.3)
-            return False
-    return True
 
 
 def _publish_attention(geo: Geometry, pool: BlockPool, req: RequestState, gid: int, e: int) -> None:
