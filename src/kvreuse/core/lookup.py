@@ -223,16 +223,9 @@ def compute_lookup(
     if not geo.caching_enabled or skip_read:
         reason = Reason.DISABLED if not geo.caching_enabled else Reason.SKIP_READ
         return LookupResult(
-            request_id=request_id,
-            hit=0,
-            pending_hit=0,
-            top=top,
-            n=n,
-            epoch=epoch,
-            reason=reason,
-            junction=None,
-            bounds=(0, 0, 0, 0),
-        )
+            request_id=request_id, hit=0, pending_hit=0, top=top, n=n, epoch=epoch,
+            reason=reason, junction=None, bounds=(0, 0, 0, 0),
+        )  # fmt: skip
     hashes = chain.hashes
     keysets = index.index
     probes = _probes(geo, keysets, hashes, nu)
