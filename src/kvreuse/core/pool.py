@@ -64,10 +64,10 @@ class BlockPool:
         self.ghost: Ghost = new_ghost(len(geo.groups), geo.ghost_capacity)  # C on the native path
         self.ghost_capacity = geo.ghost_capacity
         self._unit = geo.hash_unit
-        # Per group: the page size `entry_kind` takes (0: recurrent states) and the state page
-        # that joins BlockStored runs of states (0: attention).
-        self._full_page = [g.page_size if g.is_attention else 0 for g in geo.groups]
-        self._state_page = [0 if g.is_attention else g.page_size for g in geo.groups]
+        # Per group, its kind's event shape: the page `entry_kind` takes (0: states) and the
+        # page that joins BlockStored runs of states (0: attention).
+        self._full_page = [g.entry_page for g in geo.groups]
+        self._state_page = [g.run_page for g in geo.groups]
         self.num_evicted_blocks = 0
         self.num_removed_keys = 0
         self.num_published: dict[str, int] = {kind.value: 0 for kind in EntryKind}

@@ -10,7 +10,8 @@ the class holds the kind's rules, so code outside the kinds asks the group and n
     does a hit of x tokens pass? (fast)       `probe(...)`                lookup
     does a hit of x tokens pass? (plain)      `accepts_plain(ask, x)`     the oracle
     which blocks does it hold?                `blocks_held`, `admission_blocks`, …
-    how is it named on the wire?              `wire_kind`                 events
+    how do its entries read in events?        `wire_kind`, `entry_page`,  events, the pool
+                                              `run_page`
 
 Every kind picks one of two storage layouts (`is_attention`): pages of KV that grow with the
 tokens (`PagedGroup`, kinds.paged) or a fixed set of recurrent states (`StateGroup`,
@@ -149,6 +150,17 @@ class GroupGeometry:
         """Whether the token at `x` attends to nothing before x, so a hit of x needs nothing
         of this group (only a FRESH_STARTS kind says yes for x > 0)."""
         return x == 0
+
+    @property
+    def entry_page(self) -> int:
+        """The page `entry_kind` reads this group's entries by (0: every entry is a state)."""
+        raise NotImplementedError
+
+    @property
+    def run_page(self) -> int:
+        """The page that joins this group's published entries into BlockStored runs (0: runs
+        of consecutive boundaries, as attention publishes them)."""
+        raise NotImplementedError
 
     def needed_from(self, hit: int) -> int:
         """The first page a request resuming at `hit` needs (the paged layout's)."""

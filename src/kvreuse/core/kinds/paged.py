@@ -25,6 +25,14 @@ class PagedGroup(GroupGeometry):
 
     is_attention = True
 
+    @property
+    def entry_page(self) -> int:
+        return self.page_size  # full when it ends its page, else partial
+
+    @property
+    def run_page(self) -> int:
+        return 0
+
     def needed_from(self, hit: int) -> int:
         """The first page a request resuming at `hit` needs (spec §7.8); pages below it may be
         NULL in its table. A non-cacheable group needs every page, computed again."""

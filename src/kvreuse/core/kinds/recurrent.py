@@ -27,6 +27,14 @@ class StateGroup(GroupGeometry):
     is_attention = False
     stage = Stage.STATE
 
+    @property
+    def entry_page(self) -> int:
+        return 0  # every entry is a state
+
+    @property
+    def run_page(self) -> int:
+        return self.page_size
+
     def blocks_held(self, num_tokens: int, kappa: int) -> int:
         return 2 + self.scratch + kappa  # live, scratch, held rolling states (κ + 1)
 
