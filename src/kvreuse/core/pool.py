@@ -338,8 +338,10 @@ class BlockPool:
     def _unkey(
         self, blocks: Iterable[int], group_id: int, ref_count: int
     ) -> tuple[list[tuple[int, bytes, int]], int]:
-        """`_evict_keys`' loop: the keys leave the index as (group, key, boundary) rows;
-        returns them and the number of blocks that had keys."""
+        """`_evict_keys`' loop (the `evict_keys` kernel's contract, which also adds the rows to
+        the C ghost record): in block order, every key of a block leaves the group's index,
+        its lower keys first (ascending), as (group, key, boundary) rows; then each block gets
+        `group_id` and `ref_count`. Returns the rows and the number of blocks that had keys."""
         key1, b1, group, index, more_of = self._key1, self._b1, self.group, self.index, self._more
         ref = self.ref
         gone: list[tuple[int, bytes, int]] = []
