@@ -87,12 +87,21 @@ def pop_many_of(policy: Any) -> Callable[[int], list[int]]:
     bound = getattr(policy, "pop_many", None)
     if callable(bound):
         return bound
-    pop = policy.pop
+    return _PopEach(policy)
 
-    def pop_many(count: int) -> list[int]:
+
+class _PopEach:
+    """`pop` × count, as an object holding its policy (not a closure): a deep copy or a pickle
+    of the pool then pops from the copy's own policy."""
+
+    __slots__ = ("policy",)
+
+    def __init__(self, policy: Any) -> None:
+        self.policy = policy
+
+    def __call__(self, count: int) -> list[int]:
+        pop = self.policy.pop
         return [pop() for _ in range(count)]
-
-    return pop_many
 
 
 class LRUPolicy:
