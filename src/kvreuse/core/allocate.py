@@ -98,7 +98,7 @@ def admit(
     # 2. pop fresh blocks, groups ascending, slots in table order.
     tables, new_blocks, copies, rec, slots = _pop_admission(geo, pool, res, end + extra)
     processed = {gid: h // geo.groups[gid].page_size * geo.groups[gid].page_size for gid in tables}
-    req.admit(tables, slots, h, end, processed, planned, req.chain.num_units * geo.hash_unit)
+    req.admit(tables, slots, h, processed, planned, req.chain.num_units * geo.hash_unit)
     # 3. saves, best effort.
     saves = _pop_saves(geo, pool, counters, req, h, end)
     plan = RequestPlan(
@@ -177,7 +177,8 @@ def grow(
     extra: int,
 ) -> PlanRecord | None:
     """Append fresh pages for [start, end + s) and plan this step's saves (9.6); None, with
-    nothing changed, when the fresh pages exceed the free blocks.
+    nothing changed, when the fresh pages exceed the free blocks. (The ledger's `add` moves
+    the request's scheduled end to the plan's.)
 
     The plan's tables are a copy (plans are snapshots); while no page changes, every growth
     plan of the request shares one copy (`PlanParts`, dropped by the request when its tables
@@ -202,7 +203,6 @@ def grow(
             req.keep_plan_parts(parts)
         if new_blocks is not None:
             new_blocks = {**parts.new_blocks, **new_blocks}
-    req.schedule(end)
     saves: list[PlannedSave] = []
     # A quiet decode step (most of them) owes no save: checked here to skip a call per step.
     if geo.recurrent and geo.caching_enabled and not is_quiet_decode(geo, req, start, end):

@@ -52,7 +52,8 @@ def parse_outcome(rec: PlanRecord, outcome: Any) -> Checked:
     valid token) passes each of them without the general token check."""
     req = rec.req
     rid = req.request_id
-    if not isinstance(outcome, tuple | list) or len(outcome) not in (2, 3):
+    size = len(outcome) if type(outcome) is tuple or isinstance(outcome, tuple | list) else 0
+    if size not in (2, 3):
         raise ValueError(
             f"commit: outcome of {rid!r} must be (T', new_token_ids) or "
             f"(T', new_token_ids, saved_positions), got {outcome!r}"
@@ -85,7 +86,7 @@ def parse_outcome(rec: PlanRecord, outcome: Any) -> Checked:
             f"commit: {rid!r} reports T'={t_new} with {len(tokens)} new tokens; with N={num} "
             f"T' must lie in [{num}, {num + len(tokens) - 1}]"
         )
-    saved = outcome[2] if len(outcome) == 3 else None
+    saved = outcome[2] if size == 3 else None
     if saved is None:
         return t_new, tokens, None
     if not saved:
@@ -112,7 +113,8 @@ def apply_commit(
     t_new, tokens, _ = outcome
     u = geo.hash_unit
     num_units = req.chain.num_units
-    req.extend(tokens, geo.lookahead, u)  # (hashes the units they complete)
+    committed = req.committed
+    req.advance(t_new, tokens, geo.lookahead, u)  # T = T′ (and the units the tokens complete)
     nu = req.chain.num_units * u
     # Nothing left to any later step (most decode commits): no copy or save to settle, T′ in
     # T's unit, no group that frees pages, no unit completed where held states could change,
@@ -121,7 +123,7 @@ def apply_commit(
         not rec.saves
         and not rec.copies
         and not geo.windowed
-        and t_new // u == req.committed // u
+        and t_new // u == committed // u
         and (nu == num_units * u or not geo.recurrent)
     ):
         e = min(t_new, nu)
@@ -130,7 +132,6 @@ def apply_commit(
             if e >= processed[gid] + u:
                 break
         else:
-            req.commit_to(t_new)
             return
     release: list[int] = []
     for c in rec.copies:  # 2. pending copy references (dst keeps its table reference)
@@ -141,7 +142,7 @@ def apply_commit(
     # The held rolling states are kept in rolling_range(units, ⌊T′/u⌋): with no save to add
     # one, the same units and T′ in the unit of the last commit, they are still the right ones
     # (most decode commits of a hybrid).
-    same_range = not by_group and nu == num_units * u and t_new // u == req.committed // u
+    same_range = not by_group and nu == num_units * u and t_new // u == committed // u
     for g in geo.groups:
         gid = g.group_id
         if g.is_attention:
@@ -154,7 +155,6 @@ def apply_commit(
                 _settle_saves(geo, pool, counters, req, by_group[gid], outcome, release)
             if req.recurrent[gid].held:
                 _keep_rolling(geo, req, gid, t_new, release)
-    req.commit_to(t_new)
     if release:
         pool.release(release)
 

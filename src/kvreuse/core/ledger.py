@@ -140,7 +140,7 @@ class StepLedger:
     # ------------------------------------------------------------------ changes
     def add(self, rec: PlanRecord) -> None:
         """A plan joins the open step (the union only grows: `version` stays)."""
-        rec.req.set_open_plan(rec.plan)
+        rec.req.open_step(rec.plan, rec.end)
         self._open.append(rec)
         self.num_plans += 1
         if not rec.quiet:
@@ -155,7 +155,7 @@ class StepLedger:
         if recs:
             for r in recs:
                 r.step_id = step_id
-                r.req.enter_step(step_id)
+            RequestState.enter_step([r.req for r in recs], step_id)
             self._sealed[step_id] = recs
             self._loud[step_id] = self._loud[0]
             self._loud[0] = []
@@ -169,8 +169,7 @@ class StepLedger:
         recs = self._sealed.pop(step_id)
         del self._loud[step_id]
         self._remember(step_id, fate)
-        for r in recs:
-            r.req.leave_step(step_id)
+        RequestState.leave_step([r.req for r in recs], step_id)
         self.version += 1
         return recs
 
@@ -188,7 +187,7 @@ class StepLedger:
             self._open = [r for r in self._open if r.req is not req]
             self._loud[0] = [r for r in self._loud[0] if r.req is not req]
             self.version += 1
-        req.set_open_plan(None)
+        req.withdraw_open()
         return recs
 
     def withdraw_sealed(self, req: RequestState) -> list[PlanRecord]:

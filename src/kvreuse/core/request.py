@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NamedTuple
@@ -176,17 +176,16 @@ class RequestState:
         tables: dict[int, list[int]],
         recurrent: dict[int, RecurrentSlots],
         hit: int,
-        scheduled: int,
         processed: dict[int, int],
         planned: dict[int, dict[int, SavePurpose]],
         dense_from: int,
     ) -> None:
-        """An admission with hit `hit` took these slots: the request runs, T = h."""
+        """An admission with hit `hit` took these slots: the request runs, T = h (its plan,
+        `open_step`, moves the scheduled end)."""
         self.tables, self.recurrent, self.plan_parts, self.window_lo = tables, recurrent, None, {}
         self.hit = self.committed = hit
-        self.scheduled = scheduled
         self.processed, self.planned, self.dense_from = processed, planned, dense_from
-        self.published_states = {gid: [] for gid in recurrent}
+        self.published_states = {gid: [] for gid in recurrent} if recurrent else {}
         self.phase = Phase.RUNNING
 
     def note_admission(self, hit: int, reason: str) -> bool:
@@ -209,9 +208,6 @@ class RequestState:
         self.phase = phase
 
     # ------------------------------------------------------------------ growth and commit
-    def schedule(self, end: int) -> None:
-        self.scheduled = end
-
     def add_pages(self, gid: int, blocks: list[int]) -> None:
         self.tables[gid].extend(blocks)
         self.plan_parts = None
@@ -224,15 +220,13 @@ class RequestState:
         for c in positions:
             planned[c] = SavePurpose.DENSE
 
-    def extend(self, tokens: list[int], lookahead: int, unit: int) -> None:
-        """Append committed tokens; hash the units they complete."""
+    def advance(self, t_new: int, tokens: list[int], lookahead: int, unit: int) -> None:
+        """A commit: append its tokens (hashing the units they complete) and set T = T′; with
+        nothing else in flight, the next step starts there."""
         if tokens:
             self.tokens.extend(tokens)
             if len(self.tokens) - lookahead >= (self.chain.num_units + 1) * unit:
                 self.chain.extend(self.tokens)
-
-    def commit_to(self, t_new: int) -> None:
-        """T = T′; with nothing else in flight, the next step starts there."""
         self.committed = t_new
         if not self.inflight:
             self.scheduled = t_new
@@ -271,20 +265,30 @@ class RequestState:
         self.published_states[gid].append(position)
 
     # ------------------------------------------------------------------ steps (StepLedger)
-    def set_open_plan(self, plan: RequestPlan | None) -> None:
+    def open_step(self, plan: RequestPlan, end: int) -> None:
+        """`plan` joined the open step: the request is scheduled up to `end`."""
         self.open_plan = plan
+        self.scheduled = end
 
-    def enter_step(self, step_id: int) -> None:
-        """Its open plan was sealed into step `step_id`."""
+    def withdraw_open(self) -> None:
         self.open_plan = None
-        self.inflight.append(step_id)
 
-    def leave_step(self, step_id: int) -> None:
-        inflight = self.inflight
-        if inflight and inflight[0] == step_id:  # steps settle oldest first: the usual case
-            del inflight[0]
-        elif step_id in inflight:
-            inflight.remove(step_id)
+    @staticmethod
+    def enter_step(requests: Iterable[RequestState], step_id: int) -> None:
+        """The open plans of `requests` were sealed into step `step_id` (one call a step)."""
+        for req in requests:
+            req.open_plan = None
+            req.inflight.append(step_id)
+
+    @staticmethod
+    def leave_step(requests: Iterable[RequestState], step_id: int) -> None:
+        """Step `step_id` of `requests` settled (one call a step)."""
+        for req in requests:
+            inflight = req.inflight
+            if inflight and inflight[0] == step_id:  # steps settle oldest first: usually
+                del inflight[0]
+            elif step_id in inflight:
+                inflight.remove(step_id)
 
     def defer(self, what: Deferral) -> None:
         self.deferred = what
