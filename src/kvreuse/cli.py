@@ -9,6 +9,7 @@ group, hash unit 256) and prints what was reused and why.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -16,22 +17,15 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from kvreuse.core import CacheConfig, GroupSpec, KVCacheManager, Request
-from kvreuse.deployment import GeometryError, check_num_blocks
+from kvreuse.core import CacheConfig, KVCacheManager, Request
+from kvreuse.deployment import GeometryError, check_num_blocks, resolve
 from kvreuse.geometry_cli import add_geometry
 from kvreuse.sim.workload_cli import int_list, int_range
 
 
 def demo_config(num_blocks: int = 4096) -> CacheConfig:
-    return CacheConfig(
-        num_blocks=num_blocks,
-        dcp_size=4,
-        hash_unit=256,
-        groups=[
-            GroupSpec(kind="full", block_size=2048),
-            GroupSpec(kind="recurrent", block_size=256),
-        ],
-    )
+    """The hybrid-dcp4 preset's groups (full 2048 × dcp 4, recurrent 256, u = 256)."""
+    return dataclasses.replace(resolve("hybrid-dcp4").cache, num_blocks=num_blocks)
 
 
 def _run_once(mgr: KVCacheManager, rid: str, tokens: list[int]) -> dict[str, object]:

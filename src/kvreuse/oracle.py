@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvreuse.core import Geometry, GroupGeometry
+from kvreuse.core import Geometry, GroupGeometry, Stage
 
 ExtraKeys = tuple[tuple[Any, ...], ...]  # X_k: typed tuples ("lora", …), ("mm", …), ("salt", …)
 Ident = tuple[tuple[int, ...], tuple[ExtraKeys, ...]]  # (tok[0 : b+L], (X_1, …, X_{b/u}))
@@ -116,16 +116,6 @@ class _Lookup:
         p = (x - 1) // g.page_size
         return range(x, min((p + 1) * g.page_size, self.n * self.u) + 1, self.u)
 
-    def low(self, g: GroupGeometry, x: int) -> int:
-        """lo: the first token the next token x attends to (full 0, sliding 7.3, chunked 7.4)."""
-        if g.kind == "sliding":
-            assert g.window is not None
-            return max(0, x - g.window + 1)
-        if g.kind == "chunked":
-            assert g.chunk is not None
-            return x // g.chunk * g.chunk
-        return 0
-
     def covered(self, g: GroupGeometry, x: int, lo: int) -> bool:
         """x > 0: full keys for the pages of [lo, x) before p(x), and (F2) for page p(x)."""
         p = (x - 1) // g.page_size
@@ -140,15 +130,10 @@ class _Lookup:
         return max(found) if found else None
 
     def ok(self, g: GroupGeometry, x: int) -> bool:
-        """The group's own predicate (7.2 – 7.5), without the drop-mode margin."""
-        if x == 0:
-            return True
-        if g.kind == "recurrent":
-            return self.has(g, x)
-        lo = self.low(g, x)
-        if g.kind == "chunked" and lo == x:  # the next token starts a new chunk
-            return True
-        return self.covered(g, x, lo)
+        """The group's own predicate (7.2 – 7.5), without the drop-mode margin: its kind's
+        rule as the spec writes it (`accepts_plain`, kvreuse.core.kinds), asked through the
+        predicates above."""
+        return x == 0 or g.accepts_plain(_Ask(self, g), x)
 
     def accepts(self, g: GroupGeometry, x: int, margin: bool = True) -> bool:
         """ok(), plus the margin of 7.6 for draft groups in spec mode drop.
@@ -170,6 +155,19 @@ class _Lookup:
         return 0
 
 
+class _Ask:
+    """The predicates of one group, as a kind's plain rule reads them (`PlainAsk`)."""
+
+    def __init__(self, look: _Lookup, g: GroupGeometry) -> None:
+        self.look, self.g, self.u = look, g, look.u
+
+    def has(self, b: int) -> bool:
+        return self.look.has(self.g, b)
+
+    def covered(self, x: int, lo: int) -> bool:
+        return self.look.covered(self.g, x, lo)
+
+
 def oracle(
     geo: Geometry,
     req: OracleRequest,
@@ -186,8 +184,8 @@ def oracle(
     if not geo.caching_enabled or req.skip_read:
         reason = "disabled" if not geo.caching_enabled else "skip_read"
         return OracleResult(0, reason, None, (0, 0, 0, 0), top, n)
-    full = [g for g in look.groups if g.kind == "full"]
-    nonrec = [g for g in look.groups if g.kind != "recurrent"]
+    full = [g for g in look.groups if g.stage is Stage.FULL]
+    nonrec = [g for g in look.groups if g.stage is not Stage.STATE]
     a1, a2 = look.best(full, margin=False), look.best(full)
     a3, a4 = look.best(nonrec), look.best(look.groups)
     has_recurrent = len(nonrec) < len(look.groups)
@@ -222,13 +220,12 @@ def expected_slots(
     Recurrent groups are not included. `entries` are not consulted for the markers; use
     `copy_boundary` for the entry a "copy" page is copied from.
     """
-    look = _Lookup(geo, req, entries)
     slots: dict[int, list[str]] = {}
     for g in geo.groups:
-        if g.kind == "recurrent":
+        if not g.is_attention:
             continue
         B, pages = g.page_size, -(-hit // g.page_size)
-        first_needed = look.low(g, hit) // B if g.cacheable and hit > 0 else pages
+        first_needed = g.attend_from(hit) // B if g.cacheable and hit > 0 else pages
         marks = ["null"] * min(first_needed, pages)
         marks += ["full" if (j + 1) * B <= hit else "copy" for j in range(len(marks), pages)]
         slots[g.group_id] = marks

@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvreuse import CacheConfig, GroupSpec, KVCacheManager
-from kvreuse.core import acceptance, compute_lookup
+from kvreuse.core import compute_lookup
+from kvreuse.core.kinds import full
 from kvreuse.core.pool import NULL
 from kvreuse.oracle import OracleRequest, ident, oracle
 
@@ -56,7 +57,7 @@ def cases(draw: st.DrawFn) -> tuple[CacheConfig, list[int], list[list[int]], boo
         for _ in groups
     ]
     # how many pages the full-attention probe takes one by one before it probes in chunks
-    first = draw(st.sampled_from([1, 2, acceptance._FIRST]))
+    first = draw(st.sampled_from([1, 2, full._FIRST]))
     return cfg, tokens, states, draw(st.booleans()), first
 
 
@@ -66,11 +67,11 @@ def test_lookup_matches_oracle_on_set_key_sets(
     case: tuple[CacheConfig, list[int], list[list[int]], bool, int],
 ) -> None:
     cfg, tokens, states, with_pending, first = case
-    saved, acceptance._FIRST = acceptance._FIRST, first
+    saved, full._FIRST = full._FIRST, first
     try:
         _check(cfg, tokens, states, with_pending)
     finally:
-        acceptance._FIRST = saved
+        full._FIRST = saved
 
 
 def _check(

@@ -10,7 +10,9 @@ Owners, bottom up; each piece of state has one, changed only through its methods
 
 Rules, as functions given the owners they use (never the facade):
 
-    acceptance   per-kind acceptance: does group g accept a hit of x tokens?
+    kinds        one module per group kind (full, sliding, chunked, recurrent) found through
+                 one map: its geometry, acceptance (does group g accept a hit of x tokens?),
+                 the blocks it holds, its name on the wire
     lookup       the coordinator over any IndexView (the pool, or a router's mirror)
     savepoints   where recurrent states are saved: ρ(P), φ(T), planned and rolling positions
     allocate     admission and growth: count, then adopt → pop → saves
@@ -40,7 +42,16 @@ from kvreuse.core.config import CacheConfig, Geometry, GroupGeometry, GroupSpec
 from kvreuse.core.encoding import TOKEN_TYPECODE
 from kvreuse.core.errors import ConfigError, InvariantError, StaleLookupError, UnknownRequestError
 from kvreuse.core.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, StoredEntry
-from kvreuse.core.kinds import EntryKind
+from kvreuse.core.kinds import (
+    EntryKind,
+    PagedGroup,
+    PlainAsk,
+    Probe,
+    Stage,
+    StateGroup,
+    register_kind,
+    unregister_kind,
+)
 from kvreuse.core.ledger import StepFate
 from kvreuse.core.lookup import IndexView, LookupResult, Reason, compute_lookup
 from kvreuse.core.manager import KVCacheManager
@@ -73,7 +84,10 @@ __all__ = [
     "LookupResult",
     "MultiModalItem",
     "Outcome",
+    "PagedGroup",
+    "PlainAsk",
     "PoolView",
+    "Probe",
     "Reason",
     "RecurrentSlot",
     "Request",
@@ -81,7 +95,9 @@ __all__ = [
     "RequestStats",
     "Save",
     "SavePurpose",
+    "Stage",
     "StaleLookupError",
+    "StateGroup",
     "StepFate",
     "StepPlan",
     "StoredEntry",
@@ -89,5 +105,7 @@ __all__ = [
     "compute_lookup",
     "describe_core_path",
     "finish_point",
+    "register_kind",
     "replay_point",
+    "unregister_kind",
 ]

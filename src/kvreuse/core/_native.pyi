@@ -30,36 +30,35 @@ def lru_link(
     keyed: Sequence[int],
     /,
 ) -> None: ...
-def ref_adopt(ref: array[int], blocks: Iterable[int], /) -> list[int]: ...
+
+class BlockTable:
+    """The pool's per-block state, bound by name for the kernels (_csrc/table.c)."""
+
+    def __init__(
+        self,
+        ref: array[int],
+        group: array[int],
+        b1: array[int],
+        key1: list[bytes | None],
+        more: dict[int, list[tuple[int, bytes]]],
+        index: list[dict[bytes, int]],
+    ) -> None: ...
+
+def ref_adopt(table: BlockTable, blocks: Iterable[int], /) -> list[int]: ...
 def release_refs(
-    ref: array[int],
-    ordered: Iterable[int],
-    key1: list[bytes | None],
-    group: array[int],
-    b1: array[int],
-    multi_group: bool,
-    /,
+    table: BlockTable, ordered: Iterable[int], /
 ) -> tuple[list[int], list[int]] | None: ...
 def publish_keys(
-    index: dict[bytes, int],
-    key1: list[bytes | None],
-    b1: array[int],
-    group: array[int],
-    more: dict[int, list[tuple[int, bytes]]],
+    table: BlockTable,
+    group_id: int,
     blocks: Sequence[int],
     keys: Sequence[bytes],
     boundaries: Sequence[int],
-    group_id: int,
     /,
-) -> tuple[list[int], list[bytes], int]: ...
+) -> tuple[list[int], list[bytes]]: ...
 def evict_keys(
+    table: BlockTable,
     blocks: Iterable[int],
-    key1: list[bytes | None],
-    b1: array[int],
-    group: array[int],
-    ref: array[int],
-    index: list[dict[bytes, int]],
-    more: dict[int, list[tuple[int, bytes]]],
     group_id: int,
     ref_count: int,
     ghost: Ghost,

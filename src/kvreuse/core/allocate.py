@@ -47,19 +47,10 @@ def admission_required(
     """The fresh blocks an admission needs (9.5): pages above the hit, a copy destination for
     a partial hit page, a live state (and scratch) per recurrent group, and every hit block
     that now sits in the free queue (adopting it takes it out)."""
-    h = res.hit
+    h, top = res.hit, end + extra
     required = 0
     for g in geo.groups:
-        if g.is_attention:
-            B = g.page_size
-            total = -(-(end + extra) // B)
-            if g.cacheable:
-                copy = 1 if h % B and g.needed_from(h) <= h // B else 0
-                required += total - (-(-h // B)) + copy
-            else:
-                required += total - h // B
-        else:
-            required += 1 + g.scratch
+        required += g.admission_blocks(h, top)
     # the hit blocks with no reference (in the free queue), each counted once; itemgetter
     # reads the counts in one C loop (a tuple when given two or more items)
     distinct = set(hits)
@@ -71,11 +62,10 @@ def admission_required(
 def growth_pages(geo: Geometry, req: RequestState, end: int, extra: int) -> list[tuple[int, int]]:
     """(gid, fresh pages) for every attention group a growth to [.., end + s) must extend."""
     out, tables = [], req.tables
-    for g in geo.groups:  # a plain loop: this runs once per request per step
-        if g.is_attention:
-            n = -(-(end + extra) // g.page_size) - len(tables[g.group_id])
-            if n > 0:
-                out.append((g.group_id, n))
+    for g in geo.paged:  # a plain loop: this runs once per request per step
+        n = -(-(end + extra) // g.page_size) - len(tables[g.group_id])
+        if n > 0:
+            out.append((g.group_id, n))
     return out
 
 
@@ -98,26 +88,17 @@ def admit(
     h, end = res.hit, res.hit + num_new
     # 0. fix the planned checkpoint positions on the index the lookup saw (before any pop can
     #    evict), so they equal what save_positions(req, lookup) reported.
-    req.planned = {}
+    planned = {}
     if geo.caching_enabled:
         for g in geo.recurrent:
             keys = pool.index[g.group_id]
-            req.planned[g.group_id] = planned_positions(geo, req, g, h, res.junction, keys)
+            planned[g.group_id] = planned_positions(geo, req, g, h, res.junction, keys)
     # 1. adopt every hit block (shared pages, copy sources, recurrent sources).
     pool.adopt_many(hits)
     # 2. pop fresh blocks, groups ascending, slots in table order.
-    tables, new_blocks, copies, rec = _pop_admission(geo, pool, req, res, end + extra)
-    req.tables = tables
-    req.plan_parts = None
-    req.window_lo = {}
-    req.hit = h
-    req.committed = h
-    req.scheduled = end
-    req.processed = {
-        gid: h // geo.groups[gid].page_size * geo.groups[gid].page_size for gid in tables
-    }
-    req.published_states = {g.group_id: [] for g in geo.recurrent}
-    req.dense_from = req.chain.num_units * geo.hash_unit
+    tables, new_blocks, copies, rec, slots = _pop_admission(geo, pool, res, end + extra)
+    processed = {gid: h // geo.groups[gid].page_size * geo.groups[gid].page_size for gid in tables}
+    req.admit(tables, slots, h, processed, planned, req.chain.num_units * geo.hash_unit)
     # 3. saves, best effort.
     saves = _pop_saves(geo, pool, counters, req, h, end)
     plan = RequestPlan(
@@ -137,14 +118,22 @@ def admit(
 
 
 def _pop_admission(
-    geo: Geometry, pool: BlockPool, req: RequestState, res: LookupResult, top: int
-) -> tuple[dict[int, list[int]], dict[int, list[int]], list[Copy], dict[int, RecurrentSlot]]:
-    """Fresh blocks of an admission covering [0, top): (tables, new blocks, copies, states)."""
+    geo: Geometry, pool: BlockPool, res: LookupResult, top: int
+) -> tuple[
+    dict[int, list[int]],
+    dict[int, list[int]],
+    list[Copy],
+    dict[int, RecurrentSlot],
+    dict[int, RecurrentSlots],
+]:
+    """Fresh blocks of an admission covering [0, top): (tables, new blocks, copies, the
+    plan's states, the request's states)."""
     h = res.hit
     tables: dict[int, list[int]] = {}
     new_blocks: dict[int, list[int]] = {}
     copies: list[Copy] = []
     rec: dict[int, RecurrentSlot] = {}
+    slots: dict[int, RecurrentSlots] = {}
     for g in geo.groups:
         gid = g.group_id
         if g.is_attention:
@@ -172,10 +161,10 @@ def _pop_admission(
             if src is not None:
                 pool.adopt(live)
                 copies.append(Copy(gid, src, live))
-            req.recurrent[gid] = RecurrentSlots(live, scratch, {})
+            slots[gid] = RecurrentSlots(live, scratch, {})
             rec[gid] = RecurrentSlot(live, tuple(scratch), "copy" if src is not None else "zero")
             new_blocks[gid] = [live, *scratch]
-    return tables, new_blocks, copies, rec
+    return tables, new_blocks, copies, rec, slots
 
 
 # ---------------------------------------------------------------------------- growth
@@ -186,39 +175,34 @@ def grow(
     req: RequestState,
     num_new: int,
     extra: int,
-    free: int,
 ) -> PlanRecord | None:
     """Append fresh pages for [start, end + s) and plan this step's saves (9.6); None, with
-    nothing changed, when the fresh pages exceed `free`."""
+    nothing changed, when the fresh pages exceed the free blocks. (The ledger's `add` moves
+    the request's scheduled end to the plan's.)
+
+    The plan's tables are a copy (plans are snapshots); while no page changes, every growth
+    plan of the request shares one copy (`PlanParts`, dropped by the request when its tables
+    change). A growth within its `room` adds no page, so most decode steps take the kept
+    parts as they are: no page is counted, popped or copied."""
     start = req.scheduled
     end = start + num_new
-    pages = growth_pages(geo, req, end, extra)
-    new_blocks: dict[int, list[int]] | None = None
-    if pages:  # most decode steps need no page
-        if sum(n for _, n in pages) > free:
-            return None
-        new_blocks = {gid: [] for gid in req.tables}
-        for gid, n in pages:
-            new_blocks[gid] = fresh = pool.pop_many(gid, n)
-            req.tables[gid].extend(fresh)
     parts = req.plan_parts
-    if new_blocks is not None or parts is None:
-        # The plan's tables are a copy (plans are snapshots); while no page changes, every
-        # growth plan shares one copy, rebuilt only when a page is added or freed.
-        rec: dict[int, RecurrentSlot] = {}
-        for g in geo.recurrent:
-            slots = req.recurrent[g.group_id]  # live and scratch stay fixed while it runs
-            rec[g.group_id] = RecurrentSlot(slots.live, tuple(slots.scratch), "keep")
-        empty: dict[int, list[int]] = {g.group_id: [] for g in geo.groups}
-        tables = {k: list(v) for k, v in req.tables.items()}
-        room = min(
-            (len(tables[g.group_id]) * g.page_size for g in geo.groups if g.is_attention),
-            default=NO_PAGE_LIMIT,
-        )
-        req.plan_parts = parts = PlanParts(tables, rec, empty, room)
+    new_blocks: dict[int, list[int]] | None = None
+    if parts is None or end + extra > parts.room:
+        pages = growth_pages(geo, req, end, extra)
+        if pages:
+            if sum(n for _, n in pages) > pool.num_free:
+                return None
+            new_blocks = {gid: [] for gid in req.tables}
+            for gid, n in pages:
+                new_blocks[gid] = fresh = pool.pop_many(gid, n)
+                req.add_pages(gid, fresh)
+        parts = req.plan_parts
+        if parts is None:
+            parts = _plan_parts(geo, req)
+            req.keep_plan_parts(parts)
         if new_blocks is not None:
-            new_blocks = {**empty, **new_blocks}
-    req.scheduled = end
+            new_blocks = {**parts.new_blocks, **new_blocks}
     saves: list[PlannedSave] = []
     # A quiet decode step (most of them) owes no save: checked here to skip a call per step.
     if geo.recurrent and geo.caching_enabled and not is_quiet_decode(geo, req, start, end):
@@ -245,25 +229,18 @@ def grow(
     return record
 
 
-def grow_plain(geo: Geometry, req: RequestState, num_new: int) -> PlanRecord | None:
-    """`grow` of a growth that adds no page and owes no save (most decode steps), built without
-    its general work; None when the growth is not one (then `grow` runs). The caller has
-    checked `plain_growth`, and the result is the record `grow` would build."""
-    parts = req.plan_parts
-    start = req.scheduled
-    end = start + num_new
-    if parts is None or end > parts.room:
-        return None
-    if geo.recurrent and geo.caching_enabled and not is_quiet_decode(geo, req, start, end):
-        return None
-    req.scheduled = end
-    plan = RequestPlan(  # positional, as in `grow`
-        req.request_id, start, num_new, 0, parts.tables, parts.recurrent, parts.new_blocks, [], []
-    )
-    record = PlanRecord(req, plan, [], [], start, end)
-    u = geo.hash_unit
-    record.quiet = start // u == end // u and start == req.committed and not req.inflight
-    return record
+def _plan_parts(geo: Geometry, req: RequestState) -> PlanParts:
+    """What every growth plan repeats while no page changes: a copy of the tables, the
+    recurrent slots (live and scratch stay fixed while the request runs), no new blocks, and
+    the tokens the tables cover."""
+    rec: dict[int, RecurrentSlot] = {}
+    for g in geo.recurrent:
+        slots = req.recurrent[g.group_id]
+        rec[g.group_id] = RecurrentSlot(slots.live, tuple(slots.scratch), "keep")
+    empty: dict[int, list[int]] = {g.group_id: [] for g in geo.groups}
+    tables = {k: list(v) for k, v in req.tables.items()}
+    room = min((len(tables[g.group_id]) * g.page_size for g in geo.paged), default=NO_PAGE_LIMIT)
+    return PlanParts(tables, rec, empty, room)
 
 
 def _pop_saves(
@@ -276,10 +253,10 @@ def _pop_saves(
     out: list[PlannedSave] = []
     for g in geo.recurrent:
         gid = g.group_id
-        planned = req.planned[gid]
-        for c in dense_positions(geo, req, g, start, end, pool.index[gid]):
-            planned[c] = SavePurpose.DENSE
-        for c, why, is_planned in step_saves(geo, req, start, end, planned):
+        dense = dense_positions(geo, req, g, start, end, pool.index[gid])
+        if dense:
+            req.plan_dense(gid, dense)
+        for c, why, is_planned in step_saves(geo, req, start, end, req.planned[gid]):
             if not pool.num_free:
                 counters["saves_skipped"] += 1
                 continue

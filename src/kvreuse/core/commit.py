@@ -46,25 +46,14 @@ Checked = tuple[int, list[int], AbstractSet[int] | None]
 
 
 def parse_outcome(rec: PlanRecord, outcome: Any) -> Checked:
-    """Check one outcome (an `Outcome` or a plain tuple) against spec §10.1."""
+    """Check one outcome (an `Outcome` or a plain tuple) against spec §10.1.
+
+    One validation, its cheapest checks first: the common decode outcome (an int T′ and one
+    valid token) passes each of them without the general token check."""
     req = rec.req
-    if type(outcome) is tuple and 2 <= len(outcome) <= 3:  # the common decode outcome, first
-        t_new, new_tokens = outcome[0], outcome[1]
-        if (
-            type(t_new) is int
-            and type(new_tokens) is list
-            and len(new_tokens) == 1
-            and t_new == len(req.tokens)  # T′ = N, the one value a single new token allows
-            and rec.start <= t_new <= rec.end
-            and type(new_tokens[0]) is int
-            and 0 <= new_tokens[0] < MAX_TOKEN
-            and (len(outcome) == 2 or outcome[2] is None or not outcome[2])
-        ):
-            if len(outcome) == 2 or outcome[2] is None:
-                return t_new, [new_tokens[0]], None
-            return t_new, [new_tokens[0]], _NO_SAVES
     rid = req.request_id
-    if not isinstance(outcome, (tuple, list)) or len(outcome) not in (2, 3):
+    size = len(outcome) if type(outcome) is tuple or isinstance(outcome, tuple | list) else 0
+    if size not in (2, 3):
         raise ValueError(
             f"commit: outcome of {rid!r} must be (T', new_token_ids) or "
             f"(T', new_token_ids, saved_positions), got {outcome!r}"
@@ -72,13 +61,13 @@ def parse_outcome(rec: PlanRecord, outcome: Any) -> Checked:
     t_new, new_tokens = outcome[0], outcome[1]
     if type(t_new) is not int and (isinstance(t_new, bool) or not isinstance(t_new, int)):
         raise ValueError(f"commit: T' of {rid!r} must be an int, got {t_new!r}")
-    if (  # the common decode outcome, one valid token: no general validation needed
+    if (
         type(new_tokens) is list
         and len(new_tokens) == 1
         and type(new_tokens[0]) is int
         and 0 <= new_tokens[0] < MAX_TOKEN
     ):
-        tokens = list(new_tokens)
+        tokens = [new_tokens[0]]
     else:
         tokens = check_tokens(new_tokens, f"commit: new_token_ids of {rid!r}")
     if not rec.start <= t_new <= rec.end:
@@ -86,27 +75,29 @@ def parse_outcome(rec: PlanRecord, outcome: Any) -> Checked:
             f"commit: T'={t_new} of {rid!r} is outside its step [{rec.start}, {rec.end}]"
         )
     num = len(req.tokens)
-    if not tokens and t_new >= num:
-        raise ValueError(
-            f"commit: {rid!r} reports T'={t_new} ≥ N={num} without a new token; a step that "
-            "reaches the end of the known tokens samples one"
-        )
-    if tokens and not num <= t_new <= num + len(tokens) - 1:
+    if not tokens:
+        if t_new >= num:
+            raise ValueError(
+                f"commit: {rid!r} reports T'={t_new} ≥ N={num} without a new token; a step "
+                "that reaches the end of the known tokens samples one"
+            )
+    elif not num <= t_new <= num + len(tokens) - 1:
         raise ValueError(
             f"commit: {rid!r} reports T'={t_new} with {len(tokens)} new tokens; with N={num} "
             f"T' must lie in [{num}, {num + len(tokens) - 1}]"
         )
-    saved: AbstractSet[int] | None = None
-    if len(outcome) == 3 and outcome[2] is not None:
-        if not outcome[2]:
-            return t_new, tokens, _NO_SAVES  # the engine wrote no state (the common decode)
-        saved = set(outcome[2])
-        mine = {s.position for s in rec.saves}
-        if not saved <= mine:
-            raise ValueError(
-                f"commit: saved_positions {sorted(saved - mine)} of {rid!r} are not saves of "
-                f"this step (planned: {sorted(mine)})"
-            )
+    saved = outcome[2] if size == 3 else None
+    if saved is None:
+        return t_new, tokens, None
+    if not saved:
+        return t_new, tokens, _NO_SAVES  # the engine wrote no state (the common decode)
+    saved = set(saved)
+    mine = {s.position for s in rec.saves}
+    if not saved <= mine:
+        raise ValueError(
+            f"commit: saved_positions {sorted(saved - mine)} of {rid!r} are not saves of "
+            f"this step (planned: {sorted(mine)})"
+        )
     return t_new, tokens, saved
 
 
@@ -114,73 +105,58 @@ def parse_outcome(rec: PlanRecord, outcome: Any) -> Checked:
 def apply_commit(
     geo: Geometry, pool: BlockPool, counters: Counter[str], rec: PlanRecord, outcome: Checked
 ) -> None:
-    """Steps 1–7 of spec §10.1 for one request."""
+    """Steps 1–7 of spec §10.1 for one request.
+
+    Each step is skipped, with the same result, when it has nothing to do. Most decode commits
+    leave nothing to any of them and end once their tokens are appended."""
     req = rec.req
     t_new, tokens, _ = outcome
     u = geo.hash_unit
     num_units = req.chain.num_units
-    if tokens:
-        req.tokens.extend(tokens)
-        if len(req.tokens) - geo.lookahead >= (num_units + 1) * u:  # a unit completed
-            req.chain.extend(req.tokens)
+    committed = req.committed
+    req.advance(t_new, tokens, geo.lookahead, u)  # T = T′ (and the units the tokens complete)
+    nu = req.chain.num_units * u
+    # Nothing left to any later step (most decode commits): no copy or save to settle, T′ in
+    # T's unit, no group that frees pages, no unit completed where held states could change,
+    # and no boundary in (d, E] to publish (10.3).
+    if (
+        not rec.saves
+        and not rec.copies
+        and not geo.windowed
+        and t_new // u == committed // u
+        and (nu == num_units * u or not geo.recurrent)
+    ):
+        e = min(t_new, nu)
+        processed = req.processed
+        for gid in geo.published:
+            if e >= processed[gid] + u:
+                break
+        else:
+            return
     release: list[int] = []
     for c in rec.copies:  # 2. pending copy references (dst keeps its table reference)
         release += (c.src, c.dst)
-    nu = req.chain.num_units * u
     by_group: dict[int, list[PlannedSave]] = {}
     for s in rec.saves:  # most decode commits settle no save
         by_group.setdefault(s.gid, []).append(s)
     # The held rolling states are kept in rolling_range(units, ⌊T′/u⌋): with no save to add
     # one, the same units and T′ in the unit of the last commit, they are still the right ones
     # (most decode commits of a hybrid).
-    same_range = not by_group and nu == num_units * u and t_new // u == req.committed // u
-    # Each step below is skipped, with the same result, when it has nothing to do: most
-    # decode commits publish nothing, free nothing and settle no save.
+    same_range = not by_group and nu == num_units * u and t_new // u == committed // u
     for g in geo.groups:
         gid = g.group_id
         if g.is_attention:
             if g.cacheable and geo.caching_enabled and min(t_new, nu) > req.processed[gid]:
                 _publish_attention(geo, pool, req, gid, min(t_new, nu))
-            if g.kind != "full":
+            if g.frees_pages:
                 _window_free(geo, req, gid, t_new, release)
         elif not same_range:
             if gid in by_group:
                 _settle_saves(geo, pool, counters, req, by_group[gid], outcome, release)
             if req.recurrent[gid].held:
                 _keep_rolling(geo, req, gid, t_new, release)
-    req.committed = t_new
     if release:
         pool.release(release)
-
-
-def commit_quiet(geo: Geometry, rec: PlanRecord, outcome: Checked) -> bool:
-    """`apply_commit` of a quiet record (no copy, no save, within one unit) whose commit only
-    appends its tokens, moves T and, on a model without recurrent groups, hashes a unit the
-    tokens complete: no boundary is left to publish, no window group frees a page, and the
-    held rolling states stay the right ones (the same units, T′ in T's unit). Most decode
-    commits are this. False, with nothing changed, otherwise (then `apply_commit` runs)."""
-    if geo.windowed:
-        return False
-    req = rec.req
-    t_new, tokens, _ = outcome
-    u = geo.hash_unit
-    if t_new // u != req.committed // u:
-        return False
-    chain = req.chain
-    num_units = max(chain.num_units, (len(req.tokens) + len(tokens) - geo.lookahead) // u)
-    grows = num_units > chain.num_units  # a unit completes: the chain grows (Chain.extend)
-    if grows and geo.recurrent:
-        return False  # the rolling states to hold may change
-    e = min(t_new, num_units * u)
-    processed = req.processed
-    for gid in geo.published:
-        if e >= processed[gid] + u:  # a boundary in (d, E] to publish (10.3)
-            return False
-    req.tokens.extend(tokens)
-    if grows:
-        chain.extend(req.tokens)
-    req.committed = t_new
-    return True
 
 
 def _publish_attention(geo: Geometry, pool: BlockPool, req: RequestState, gid: int, e: int) -> None:
@@ -199,7 +175,7 @@ def _publish_attention(geo: Geometry, pool: BlockPool, req: RequestState, gid: i
     else:
         blocks = [row[(b - 1) // page] for b in bounds]
     pool.publish(gid, bounds, keys, blocks, req)
-    req.processed[gid] = e // u * u
+    req.mark_processed(gid, e // u * u)
 
 
 def _settle_saves(
@@ -219,7 +195,6 @@ def _settle_saves(
     t_new, _, saved = outcome
     u = geo.hash_unit
     nu = req.chain.num_units * u
-    held = req.recurrent[gid].held
     ordered = sorted(saves)
     # Every valid planned save is published in one call, in position order: of two saves at
     # one position, the first publishes and the second finds its key present.
@@ -240,10 +215,10 @@ def _settle_saves(
         published = valid and planned and c in won
         if published:
             won.discard(c)  # a later save at the same position was not published
-            req.published_states[gid].append(c)
+            req.note_published_state(gid, c)
             counters["saves_published"] += 1
         if valid and rolling:
-            held[c] = blk  # the pending reference becomes the held reference
+            req.hold(gid, c, blk)  # the pending reference becomes the held reference
             if not published:
                 counters["saves_held"] += 1
         else:
@@ -261,30 +236,18 @@ def _keep_rolling(
     lo, hi = rolling_range(geo, req.chain.num_units, t_new)
     if lo <= min(held) and max(held) <= hi:
         return  # most decode commits: the held states are still the ones to keep
-    for c in sorted(held, reverse=True):
-        if not lo <= c <= hi:
-            release.append(held.pop(c))
+    release += req.drop_held(gid, lo, hi)
 
 
 def _window_free(
     geo: Geometry, req: RequestState, gid: int, t_new: int, release: list[int]
 ) -> None:
-    """10.5: sliding and chunked groups drop pages no later token can attend to."""
+    """10.5: a group that frees pages (sliding, chunked) drops those no later token can attend
+    to."""
     g = geo.groups[gid]
-    B = g.page_size
     limit = g.attend_from(t_new)  # later tokens attend from here on: pages below it are dead
-    row = req.tables[gid]
-    top = min(limit // B, len(row))
-    lo = req.window_lo.get(gid, 0)
-    # Every page below `lo` was freed (or never held) by an earlier commit: the scan covers
-    # only what left the window since, not the whole table on every decode step.
-    for j in range(top - 1, lo - 1, -1):
-        if row[j] != NULL:
-            release.append(row[j])
-            row[j] = NULL
-    if top > lo:
-        req.window_lo[gid] = top
-        req.plan_parts = None  # the next plan's tables must show the freed pages
+    if limit // g.page_size > req.window_lo.get(gid, 0):  # else nothing left the window
+        release += req.free_window(gid, limit // g.page_size)
 
 
 # ---------------------------------------------------------------------------- release
@@ -308,7 +271,8 @@ def release_request(
     dropped: Iterable[PlanRecord],
 ) -> None:
     """Spec §11.5 steps 2–3: publish φ(T), release every slot of the request and every pending
-    reference of its dropped plans in one batch. The caller settles the phase and the ledger."""
+    reference of its dropped plans in one batch. The caller settles the ledger and the request
+    (`RequestState.release`)."""
     copies: dict[int, list[int]] = {}
     saves: dict[int, list[int]] = {}
     for rec in dropped:  # most finishes drop no plan
@@ -342,10 +306,6 @@ def release_request(
             order.extend(copies.get(gid, ()))
             order.append(slots.live)
     pool.release(order)
-    req.tables, req.recurrent, req.planned = {}, {}, {}
-    req.plan_parts = None
-    req.processed, req.published_states = {}, {}
-    req.committed = req.scheduled = req.hit = 0
 
 
 def _publish_finish_state(

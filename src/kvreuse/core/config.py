@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from kvreuse.core.errors import ConfigError
 from kvreuse.core.hashing import HASH_ALGOS, algo_available
+from kvreuse.core.kinds import KINDS, GroupGeometry, Stage
+from kvreuse.core.kinds.base import check_int
 
-GroupKind = Literal["full", "sliding", "chunked", "recurrent"]
-GROUP_KINDS: tuple[str, ...] = ("full", "sliding", "chunked", "recurrent")
-ATTENTION_KINDS: frozenset[str] = frozenset({"full", "sliding", "chunked"})
+GroupKind = str  # a name in kvreuse.core.kinds.KINDS ("full", "sliding", "chunked", "recurrent")
 SPEC_MODES: tuple[str, ...] = ("none", "lookahead", "drop")
 RETENTIONS: tuple[str, ...] = ("sparse", "dense")
 ROLES: tuple[str, ...] = ("target", "draft")
@@ -31,7 +31,7 @@ ROLES: tuple[str, ...] = ("target", "draft")
 class GroupSpec:
     """One group of layers sharing a kind and a block geometry (spec §4)."""
 
-    kind: GroupKind
+    kind: GroupKind  # a registered kind (kvreuse.core.kinds)
     block_size: int
     dcp_sharded: bool | None = None
     window: int | None = None
@@ -39,58 +39,6 @@ class GroupSpec:
     role: Literal["target", "draft"] = "target"
     prefix_cacheable: bool = True
     state_scratch_blocks: int = 0
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class GroupGeometry:
-    """A group resolved against the configuration: `page_size` is B_g after DCP scaling."""
-
-    group_id: int
-    kind: str
-    block_size: int
-    page_size: int
-    sharded: bool
-    window: int | None
-    chunk: int | None
-    role: str
-    cacheable: bool
-    scratch: int
-    # a stored field, not a property: read on every allocate and commit of every request
-    is_attention: bool = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "is_attention", self.kind != "recurrent")
-
-    @property
-    def is_draft(self) -> bool:
-        return self.role == "draft"
-
-    def attend_from(self, x: int) -> int:
-        """The first position the token at `x` attends to in this group: 0 for full attention,
-        x − W + 1 (not below 0) for a sliding window, the chunk start ⌊x/C⌋·C for chunked."""
-        if self.kind == "sliding":
-            return max(0, x - self.window + 1)  # type: ignore[operator]  # set by V3
-        if self.kind == "chunked":
-            return x // self.chunk * self.chunk  # type: ignore[operator]  # set by V3
-        return 0
-
-    def needed_from(self, hit: int) -> int:
-        """The first page a request resuming at `hit` needs (spec §7.8); pages below it may be
-        NULL in its table. A non-cacheable group needs every page, computed again."""
-        B = self.page_size
-        if not self.cacheable or hit == 0:
-            return -(-hit // B)
-        lo = self.attend_from(hit)
-        if self.kind == "chunked" and lo == hit:
-            return -(-hit // B)  # a chunk starts at the hit: nothing before it is needed
-        return lo // B
-
-    def describe(self) -> str:
-        if self.sharded and self.page_size != self.block_size:
-            size = f"{self.block_size} × dcp {self.page_size // self.block_size} = {self.page_size}"
-        else:
-            size = str(self.page_size)
-        return f"group {self.group_id} ({self.kind}, {size} tokens)"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -113,7 +61,8 @@ class Geometry:
     has_junction: bool  # recurrent and non-recurrent cacheable groups: a junction may exist
     recurrent: tuple[GroupGeometry, ...] = ()  # the recurrent groups (they plan saves)
     published: tuple[int, ...] = ()  # gids whose pages a commit publishes (caching on)
-    windowed: bool = False  # a sliding or chunked group: commits free pages leaving its window
+    windowed: bool = False  # a group whose commits free pages leaving its window
+    paged: tuple[GroupGeometry, ...] = ()  # the groups of the paged layout (attention), in id order
     # hash_algo "sha256_cbor": the chain is vLLM's own, so events carry vLLM's extra keys,
     # the cache salt included (docs/decisions.md)
     vllm_hashes: bool = False
@@ -178,10 +127,7 @@ class CacheConfig:
         geo = self._geometry
         total = 0
         for g in geo.groups:
-            if g.is_attention:
-                total += -(-(num_tokens + num_extra_slots) // g.page_size)
-            else:
-                total += 2 + g.scratch + geo.kappa
+            total += g.blocks_held(num_tokens + num_extra_slots, geo.kappa)
         return total
 
     def capacity_tokens(
@@ -211,67 +157,51 @@ class CacheConfig:
         return lo
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ConfigError(f"{name} must be ≥ {minimum}, got {value}")
-
-
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+# The kind parameters of GroupSpec, in the order they are checked, and the hint added when a
+# group of another kind sets one (V3).
+_KIND_PARAMS = {"window": "; remove it", "chunk": "; remove it", "state_scratch_blocks": ""}
+_UNSET = {f.name: f.default for f in fields(GroupSpec)}
+
+
+def _names(names: list[str]) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
 def _resolve_group(cfg: CacheConfig, gid: int, spec: GroupSpec) -> GroupGeometry:
-    where = f"group {gid} ({spec.kind})"
     if not isinstance(spec, GroupSpec):
         raise ConfigError(f"group {gid} must be a GroupSpec, got {type(spec).__name__}")
-    if spec.kind not in GROUP_KINDS:
+    where = f"group {gid} ({spec.kind})"
+    kind = KINDS.get(spec.kind) if isinstance(spec.kind, str) else None
+    if kind is None:
         raise ConfigError(
-            f"group {gid}: unknown kind {spec.kind!r}; allowed kinds: {', '.join(GROUP_KINDS)}"
+            f"group {gid}: unknown kind {spec.kind!r}; allowed kinds: {', '.join(KINDS)}"
         )
-    _check_int(f"{where}: block_size", spec.block_size, 1)  # V1
+    check_int(f"{where}: block_size", spec.block_size, 1)  # V1
     if spec.role not in ROLES:
         raise ConfigError(f"{where}: role must be 'target' or 'draft', got {spec.role!r}")
-    sharded = spec.kind == "full" if spec.dcp_sharded is None else bool(spec.dcp_sharded)
-    if sharded and spec.kind != "full":  # V2
+    sharded = kind.shardable if spec.dcp_sharded is None else bool(spec.dcp_sharded)
+    if sharded and not kind.shardable:  # V2
+        others = _names([k for k, c in KINDS.items() if not c.shardable])
         raise ConfigError(
-            f"{where} is DCP-sharded: sliding, chunked and recurrent groups must be replicated; "
-            "set dcp_sharded=False"
+            f"{where} is DCP-sharded: {others} groups must be replicated; set dcp_sharded=False"
         )
     page = spec.block_size * cfg.dcp_size if sharded else spec.block_size
     # V3: the kind's own parameters, and no parameter of another kind.
-    if spec.kind == "sliding":
-        if not isinstance(spec.window, int) or isinstance(spec.window, bool) or spec.window < 2:
-            raise ConfigError(
-                f"{where} needs window ≥ 2 (got {spec.window!r}); set e.g. window=4096"
-            )
-    elif spec.window is not None:
-        raise ConfigError(f"{where}: window applies only to sliding groups; remove it")
-    if spec.kind == "chunked":
-        c = spec.chunk
-        if not isinstance(c, int) or isinstance(c, bool) or c < 1 or c % page:
-            raise ConfigError(
-                f"{where}: chunk must be a positive multiple of its page of {page} tokens "
-                f"(got {c!r}), so that every chunk starts at a page start; e.g. chunk={page * 4}"
-            )
-    elif spec.chunk is not None:
-        raise ConfigError(f"{where}: chunk applies only to chunked groups; remove it")
-    if spec.kind == "recurrent":
-        _check_int(f"{where}: state_scratch_blocks", spec.state_scratch_blocks, 0)
-        if spec.role == "draft":  # V5
-            raise ConfigError(f"{where} has role 'draft'; a recurrent group must be a target")
-        if not spec.prefix_cacheable:  # V6
-            raise ConfigError(
-                f"{where} has prefix_cacheable=False: a recurrent state depends on every earlier "
-                "position and cannot start at a hit; to turn caching off set "
-                "enable_prefix_caching=False"
-            )
-    elif spec.state_scratch_blocks:
-        raise ConfigError(f"{where}: state_scratch_blocks applies only to recurrent groups")
-    return GroupGeometry(
+    for param, hint in _KIND_PARAMS.items():
+        value = getattr(spec, param)
+        if param in kind.params:
+            kind.check_param(param, value, page, where)
+        elif value != _UNSET[param]:
+            owners = _names([k for k, c in KINDS.items() if param in c.params])
+            raise ConfigError(f"{where}: {param} applies only to {owners} groups{hint}")
+    kind.check_spec(spec.role, bool(spec.prefix_cacheable), where)  # V5, V6
+    return kind(
         group_id=gid,
-        kind=spec.kind,
         block_size=spec.block_size,
         page_size=page,
         sharded=sharded,
@@ -284,14 +214,14 @@ def _resolve_group(cfg: CacheConfig, gid: int, spec: GroupSpec) -> GroupGeometry
 
 
 def _check_scalars(cfg: CacheConfig) -> None:
-    _check_int("num_blocks", cfg.num_blocks, 2)  # V1
+    check_int("num_blocks", cfg.num_blocks, 2)  # V1
     if not cfg.groups:
         raise ConfigError("groups is empty; a configuration needs at least one GroupSpec")
-    _check_int("dcp_size", cfg.dcp_size, 1)
-    _check_int("admission_watermark_blocks", cfg.admission_watermark_blocks, 0)
+    check_int("dcp_size", cfg.dcp_size, 1)
+    check_int("admission_watermark_blocks", cfg.admission_watermark_blocks, 0)
     for name in ("ghost_capacity", "max_pending_events", "finished_stats_capacity"):
         if getattr(cfg, name) is not None:
-            _check_int(name, getattr(cfg, name), 0)
+            check_int(name, getattr(cfg, name), 0)
     if cfg.eviction_policy != "lru" and not callable(cfg.eviction_policy):
         raise ConfigError(
             f"eviction_policy must be 'lru' or a callable factory(pool), "
@@ -322,7 +252,7 @@ def _check_vllm_hashes(cfg: CacheConfig, groups: tuple[GroupGeometry, ...], u: i
             f"hash_algo 'sha256_cbor' needs hash_seed as a str (it plays vLLM's PYTHONHASHSEED), "
             f"got {type(cfg.hash_seed).__name__}"
         )
-    if len(groups) != 1 or groups[0].kind != "full" or groups[0].is_draft:
+    if len(groups) != 1 or groups[0].stage is not Stage.FULL or groups[0].is_draft:
         raise ConfigError(
             f"{why} one full-attention target group, got {len(groups)} group(s)"
             f" ({', '.join(g.kind for g in groups)})"
@@ -338,16 +268,8 @@ def _check_vllm_hashes(cfg: CacheConfig, groups: tuple[GroupGeometry, ...], u: i
         )
 
 
-def _resolve(cfg: CacheConfig) -> Geometry:
-    _check_scalars(cfg)
-    groups = tuple(_resolve_group(cfg, gid, spec) for gid, spec in enumerate(cfg.groups))
-    cacheable = [g for g in groups if g.cacheable]
-    base = cacheable or list(groups)
-    if cfg.hash_unit is None:
-        u = math.gcd(*(g.block_size for g in base))
-    else:
-        _check_int("hash_unit", cfg.hash_unit, 1)  # V4
-        u = cfg.hash_unit
+def _check_pages(cacheable: list[GroupGeometry], u: int) -> None:
+    """V4: the hash unit divides every cacheable page."""
     page_gcd = math.gcd(*(g.page_size for g in cacheable)) if cacheable else u
     for g in cacheable:
         if g.page_size % u:
@@ -356,9 +278,22 @@ def _resolve(cfg: CacheConfig) -> Geometry:
                 f"multiple of hash_unit; valid values divide {page_gcd}: "
                 f"{', '.join(map(str, _divisors(page_gcd)))}."
             )
+
+
+def _resolve(cfg: CacheConfig) -> Geometry:
+    _check_scalars(cfg)
+    groups = tuple(_resolve_group(cfg, gid, spec) for gid, spec in enumerate(cfg.groups))
+    cacheable = [g for g in groups if g.cacheable]
+    base = cacheable or list(groups)
+    if cfg.hash_unit is None:
+        u = math.gcd(*(g.block_size for g in base))
+    else:
+        check_int("hash_unit", cfg.hash_unit, 1)  # V4
+        u = cfg.hash_unit
+    _check_pages(cacheable, u)
     lookahead = 0
     if cfg.spec_mode == "lookahead":  # V5
-        _check_int("lookahead_tokens", cfg.lookahead_tokens, 1)
+        check_int("lookahead_tokens", cfg.lookahead_tokens, 1)
         if cfg.lookahead_tokens > u:
             raise ConfigError(
                 f"lookahead_tokens {cfg.lookahead_tokens} exceeds hash_unit {u}; use 1 … {u}"
@@ -391,14 +326,15 @@ def _resolve(cfg: CacheConfig) -> Geometry:
         spec_mode=cfg.spec_mode,
         dense_retention=cfg.recurrent_retention == "dense",
         cacheable=tuple(cacheable),
-        only_full=all(g.kind == "full" for g in cacheable)
+        only_full=all(g.stage is Stage.FULL for g in cacheable)
         and not (cfg.spec_mode == "drop" and any(g.is_draft for g in cacheable)),
-        has_junction=any(g.kind == "recurrent" for g in cacheable)
-        and any(g.kind != "recurrent" for g in cacheable),
+        has_junction=any(g.stage is Stage.STATE for g in cacheable)
+        and any(g.stage is not Stage.STATE for g in cacheable),
         recurrent=tuple(g for g in groups if not g.is_attention),
         published=tuple(g.group_id for g in cacheable if g.is_attention)
         if cfg.enable_prefix_caching
         else (),
-        windowed=any(g.kind in ("sliding", "chunked") for g in groups),
+        windowed=any(g.frees_pages for g in groups),
+        paged=tuple(g for g in groups if g.is_attention),
         vllm_hashes=cfg.hash_algo == "sha256_cbor",
     )

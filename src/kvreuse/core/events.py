@@ -159,7 +159,7 @@ def _build(geo: Geometry, r: tuple[Any, ...]) -> Event:
     g = geo.groups[gid]
     u, lookahead, page = geo.hash_unit, geo.lookahead, g.page_size
     hashes = req.chain.hashes
-    kind_page = page if g.is_attention else 0  # entry_kind's page: 0 for recurrent states
+    kind_page = g.entry_page  # entry_kind's page: 0 for states
     entries = tuple(StoredEntry(hashes[b // u], b, entry_kind(kind_page, b)) for b in boundaries)
     start = (boundaries[0] - 1) // page * page
     last = boundaries[-1]

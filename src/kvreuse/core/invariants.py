@@ -49,24 +49,7 @@ def audit(
             for b in slots.held.values():
                 refs[b] += 1
                 holders.setdefault(b, set()).add(gid)
-    parked = ledger.parked()
-    for rec in ledger.records() + parked:
-        if rec.withdrawn and rec not in parked:
-            continue  # released already with its request
-        for c in rec.copies:
-            refs[c.src] += 1
-            refs[c.dst] += 1
-            if c.src == NULL or c.dst == NULL:
-                _fail("I2", f"a copy names the null block: {c}")
-        for s in rec.saves:
-            refs[s.block_id] += 1
-            if s.block_id == NULL:
-                _fail("I2", "a save names the null block")
-            if pool.has_keys(s.block_id):
-                _fail("I8", f"save target {s.block_id} ({s}) carries a key")
-        for c in rec.copies:
-            if pool.has_keys(c.dst):
-                _fail("I8", f"copy destination {c.dst} carries a key")
+    _count_pending(pool, ledger, refs)
     in_use = 0
     for b in range(1, n):
         r = pool.ref[b]
@@ -91,6 +74,28 @@ def audit(
     for gid, key in ghost:
         if key in pool.index[gid]:
             _fail("I12", f"a key of group {gid} is both in the index and the ghost record")
+
+
+def _count_pending(pool: BlockPool, ledger: StepLedger, refs: Counter[int]) -> None:
+    """Add the references of every live plan's pending copies and saves (I2, I8)."""
+    parked = ledger.parked()
+    for rec in ledger.records() + parked:
+        if rec.withdrawn and rec not in parked:
+            continue  # released already with its request
+        for c in rec.copies:
+            refs[c.src] += 1
+            refs[c.dst] += 1
+            if c.src == NULL or c.dst == NULL:
+                _fail("I2", f"a copy names the null block: {c}")
+        for s in rec.saves:
+            refs[s.block_id] += 1
+            if s.block_id == NULL:
+                _fail("I2", "a save names the null block")
+            if pool.has_keys(s.block_id):
+                _fail("I8", f"save target {s.block_id} ({s}) carries a key")
+        for c in rec.copies:
+            if pool.has_keys(c.dst):
+                _fail("I8", f"copy destination {c.dst} carries a key")
 
 
 def _check_position(geo: Geometry, pool: BlockPool, gid: int, j: int, b: int) -> None:

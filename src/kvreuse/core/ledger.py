@@ -5,10 +5,10 @@
     finish / preempt of a request in a sealed step ─► defer ─► released when that step settles
 
 The ledger is the only owner of the open step, the sealed steps, the fates of settled steps,
-the step ids, the plans parked by a deferral, and each request's in-flight fields (`open_plan`,
-`inflight`, `deferred`). Every change but `add` moves `version`; the union of keys that live
-plans would publish (for `pending_hit`) is kept between lookups and rebuilt only when `version`
-moved, so its validity rests on this module alone.
+the step ids and the plans parked by a deferral; it moves each request's step fields
+(`open_plan`, `inflight`, `deferred`) through the request's own methods. Every change but `add`
+moves `version`; the union of keys that live plans would publish (for `pending_hit`) is kept
+between lookups and rebuilt only when `version` moved, so its validity rests on this module.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ class StepLedger:
     # ------------------------------------------------------------------ changes
     def add(self, rec: PlanRecord) -> None:
         """A plan joins the open step (the union only grows: `version` stays)."""
-        rec.req.open_plan = rec.plan
+        rec.req.open_step(rec.plan, rec.end)
         self._open.append(rec)
         self.num_plans += 1
         if not rec.quiet:
@@ -155,8 +155,7 @@ class StepLedger:
         if recs:
             for r in recs:
                 r.step_id = step_id
-                r.req.open_plan = None
-                r.req.inflight.append(step_id)
+            RequestState.enter_step([r.req for r in recs], step_id)
             self._sealed[step_id] = recs
             self._loud[step_id] = self._loud[0]
             self._loud[0] = []
@@ -170,12 +169,7 @@ class StepLedger:
         recs = self._sealed.pop(step_id)
         del self._loud[step_id]
         self._remember(step_id, fate)
-        for r in recs:
-            inflight = r.req.inflight
-            if inflight and inflight[0] == step_id:  # steps settle oldest first: the usual case
-                del inflight[0]
-            elif step_id in inflight:
-                inflight.remove(step_id)
+        RequestState.leave_step([r.req for r in recs], step_id)
         self.version += 1
         return recs
 
@@ -193,7 +187,7 @@ class StepLedger:
             self._open = [r for r in self._open if r.req is not req]
             self._loud[0] = [r for r in self._loud[0] if r.req is not req]
             self.version += 1
-        req.open_plan = None
+        req.withdraw_open()
         return recs
 
     def withdraw_sealed(self, req: RequestState) -> list[PlanRecord]:
@@ -208,17 +202,15 @@ class StepLedger:
     def defer(self, req: RequestState, what: Deferral) -> None:
         """A finish or preempt waits for the request's oldest sealed step. An open plan is
         withdrawn now and parked, released in the same batch when the release happens."""
-        req.deferred = what
+        req.defer(what)
         for rec in self.withdraw_open(req):
             rec.withdrawn = True
             self._parked.setdefault(req.request_id, []).append(rec)
         self.version += 1
 
     def forget(self, req: RequestState) -> None:
-        """The request was released: it is in no step any more."""
-        req.open_plan = None
-        req.inflight = []
-        req.deferred = None
+        """The request was released: it is in no step any more (`RequestState.release`
+        clears its step fields)."""
         self._parked.pop(req.request_id, None)
         self.version += 1
 

@@ -1,9 +1,10 @@
 """Lookup (spec §7): per-kind acceptance rules, the coordinator's fixed point, reasons, slots.
 
-Every group answers one question, "do you accept a hit of x tokens?" (`acceptance`), over the
-candidates X = {0, u, 2u, …, top}. The hit is the largest x all prefix-cacheable groups accept.
-Bounds (12.3) are computed as a chain of restricted fixed points, each started from the
-previous bound, which is valid because every later bound is at most the earlier one.
+Every group answers one question, "do you accept a hit of x tokens?" (its kind's probe:
+kvreuse.core.kinds), over the candidates X = {0, u, 2u, …, top}. The hit is the largest x all
+prefix-cacheable groups accept. Bounds (12.3) are computed as a chain of restricted fixed
+points, each started from the previous bound, which is valid because every later bound is at
+most the earlier one.
 
 The rules read the cache only through `IndexView` (per group, chain hash → block id, and whether
 an evicted key is remembered), so they run unchanged on the manager's pool or on a mirror of
@@ -17,8 +18,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
-from kvreuse.core.acceptance import Probe, make_probe
 from kvreuse.core.config import Geometry
+from kvreuse.core.kinds import Probe, Stage
 from kvreuse.core.pool import NULL
 
 
@@ -133,12 +134,12 @@ def _bounds(geo: Geometry, probes: dict[int, Probe], top: int) -> tuple[int, int
     window: list[tuple[Probe, bool]] = []
     state: list[tuple[Probe, bool]] = []
     for p in probes.values():
-        kind, margin = p.g.kind, drop and p.g.is_draft
-        if kind == "full":
+        stage, margin = p.g.stage, drop and p.g.is_draft
+        if stage is Stage.FULL:
             a1 = min(a1, p.F)
             a2 = min(a2, p.largest(top, margin))
         else:
-            (state if kind == "recurrent" else window).append((p, margin))
+            (state if stage is Stage.STATE else window).append((p, margin))
     a2 = min(a1, a2)
     a3 = _fixed_point(window, a2) if window else a2
     a4 = _fixed_point(window + state, a3) if state else a3
@@ -166,7 +167,7 @@ def _reason(
         return Reason.SPEC_DECODE_REWIND
     star: Probe | None = None  # the full group with the lowest min(top, F), lowest gid first
     for p in probes.values():
-        if p.g.kind == "full" and (
+        if p.g.stage is Stage.FULL and (
             star is None or (min(top, p.F), p.g.group_id) < (min(top, star.F), star.g.group_id)
         ):
             star = p
@@ -197,7 +198,7 @@ def _probes(
     geo: Geometry, keysets: Sequence[Container[bytes]], hashes: list[bytes], nu: int
 ) -> dict[int, Probe]:
     u = geo.hash_unit
-    return {g.group_id: make_probe(g, keysets[g.group_id], hashes, u, nu) for g in geo.cacheable}
+    return {g.group_id: g.probe(keysets[g.group_id], hashes, u, nu) for g in geo.cacheable}
 
 
 def compute_lookup(
@@ -222,16 +223,9 @@ def compute_lookup(
     if not geo.caching_enabled or skip_read:
         reason = Reason.DISABLED if not geo.caching_enabled else Reason.SKIP_READ
         return LookupResult(
-            request_id=request_id,
-            hit=0,
-            pending_hit=0,
-            top=top,
-            n=n,
-            epoch=epoch,
-            reason=reason,
-            junction=None,
-            bounds=(0, 0, 0, 0),
-        )
+            request_id=request_id, hit=0, pending_hit=0, top=top, n=n, epoch=epoch,
+            reason=reason, junction=None, bounds=(0, 0, 0, 0),
+        )  # fmt: skip
     hashes = chain.hashes
     keysets = index.index
     probes = _probes(geo, keysets, hashes, nu)
@@ -280,7 +274,7 @@ def _slots(
     state_src: dict[int, int | None] = {}
     for g in geo.cacheable:
         idx = keysets[g.group_id]
-        if g.kind == "recurrent":
+        if not g.is_attention:
             state_src[g.group_id] = idx[hashes[hit // u]] if hit else None
             continue
         B = g.page_size

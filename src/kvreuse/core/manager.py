@@ -18,14 +18,12 @@ from kvreuse.core.allocate import (
     admission_required,
     admit,
     grow,
-    grow_plain,
     growth_required,
     hit_blocks,
 )
 from kvreuse.core.commit import (
     Checked,
     apply_commit,
-    commit_quiet,
     release_request,
     settle_in_order,
     settle_outcomes,
@@ -169,9 +167,8 @@ class KVCacheManager:
                 return None
             rec = admit(geo, pool, self.counters, st, lookup, num_new_tokens, num_extra_slots, hits)
             count_admission(self.counters, self.reasons, st, lookup.hit, lookup.reason)
-            st.phase = Phase.RUNNING
         else:
-            rec = grow(geo, pool, self.counters, st, num_new_tokens, num_extra_slots, free)
+            rec = grow(geo, pool, self.counters, st, num_new_tokens, num_extra_slots)
             if rec is None:
                 return None
         for c in rec.copies:
@@ -219,7 +216,7 @@ class KVCacheManager:
             st = requests.get(rid)
             if st is None or not plain_growth(st, n):
                 st = check(rid, n, None, 0)  # allocate's own checks: the same errors
-            rec = grow_plain(geo, st, n) or grow(geo, pool, counters, st, n, 0, pool.num_free)
+            rec = grow(geo, pool, counters, st, n, 0)
             if rec is None:
                 if stop_when_full:
                     break
@@ -258,10 +255,7 @@ class KVCacheManager:
         recs = self.ledger.settle(step_id, StepFate.COMMITTED)
         apply, geo, pool, counters = apply_commit, self.geo, self.pool, self.counters
         for rec, outcome in parsed:
-            if not (rec.quiet and commit_quiet(geo, rec, outcome)):
-                apply(geo, pool, counters, rec, outcome)
-            if not rec.req.inflight:
-                rec.req.scheduled = rec.req.committed
+            apply(geo, pool, counters, rec, outcome)
         if len(parsed) < len(recs):  # else no record was withdrawn or deferred
             self._settle_deferred(recs, discard=False)
         self.epoch += 1
@@ -289,7 +283,7 @@ class KVCacheManager:
     def _release(self, st: RequestState, dropped: list[PlanRecord], then: Deferral) -> None:
         release_request(self.geo, self.pool, self.counters, st, dropped)
         self.ledger.forget(st)
-        st.phase = Phase.FINISHED if then is Deferral.FINISH else Phase.WAITING
+        st.release(Phase.FINISHED if then is Deferral.FINISH else Phase.WAITING)
         if then is Deferral.FINISH:
             self._forget(st)
 

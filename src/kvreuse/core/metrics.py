@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvreuse.core.kinds import EntryKind
 from kvreuse.core.pool import BlockPool
 
 if TYPE_CHECKING:
@@ -48,18 +49,15 @@ def count_admission(
 ) -> None:
     """12.1: a first admission moves the prefix_cache_* counters, a re-admission the
     preempted_* ones; per-request statistics keep the first admission's hit and reason."""
-    if st.admissions == 0:
+    if st.note_admission(hit, reason):
         counters["prefix_cache_requests"] += 1
         counters["prefix_cache_queries"] += st.prompt_len
         counters["prefix_cache_hits"] += hit
         reasons[reason] += 1
-        st.first_hit, st.first_reason = hit, reason
     else:
         counters["prefix_cache_preempted_requests"] += 1
         counters["prefix_cache_preempted_queries"] += len(st.tokens)
         counters["prefix_cache_preempted_hits"] += hit
-    st.admissions += 1
-    st.last_hit, st.last_reason = hit, reason
 
 
 def new_counters() -> Counter[str]:
@@ -86,7 +84,7 @@ def snapshot(
             cached[kinds[pool.group[b]]] += 1
         else:
             free += 1
-    entries: Counter[str] = Counter({"full": 0, "partial": 0, "state": 0})
+    entries: Counter[str] = Counter({k.value: 0 for k in EntryKind})
     for b in range(1, pool.num_blocks):
         if pool.has_keys(b):
             for boundary, _ in pool.key_list(b):

@@ -39,6 +39,7 @@ KERNELS = (
     "publish_keys",
     "release_refs",
     "Ghost",
+    "BlockTable",
 )
 _log = logging.getLogger(__name__)
 

@@ -1,4 +1,12 @@
-"""Eviction policies (spec §11.2, §11.4): the protocol and the default intrusive LRU queue.
+"""Eviction policies (spec §11.2, §11.4): the protocol, the batch order, and the default LRU.
+
+Every policy is built the same way: `policy_factory(cfg.eviction_policy)` is a factory called
+with the pool (its `PoolView`); the name "lru" names `LRUPolicy.for_pool`. A policy says what it
+reads: `reads_release_seq = False` spares the pool its per-block batch numbers (the LRU's
+choice; a policy that does not say is assumed to read them). The order in which a release
+batch reaches every policy (`batch_order`) is defined here once; the pool's C kernel sorts by
+the same key. The pool's kernels call the policy only once the counts of an operation are final,
+so they run under every policy.
 
 The LRU queue is a doubly linked list threaded through two flat integer arrays, so it allocates
 no Python object per block and removes from the middle in O(1). Block 0 is the null block; it is
@@ -57,17 +65,43 @@ class EvictionPolicy(Protocol):
     def __contains__(self, block_id: object) -> bool: ...
 
 
+def batch_order(keyed: list[int], b1: Sequence[int], group: Sequence[int], multi: bool) -> None:
+    """Sort a release batch's keyed blocks into spec §11.2's tail order, in place: decreasing
+    highest boundary (`b1`), then ascending group (when the pool has several), then ascending
+    id; so within one chain the suffix is evicted before the prefix. Three stable C-level sorts,
+    least significant first (reverse=True keeps ties stable)."""
+    if len(keyed) > 1:
+        keyed.sort()
+        if multi:
+            keyed.sort(key=group.__getitem__)
+        keyed.sort(key=b1.__getitem__, reverse=True)
+
+
+def policy_factory(spec: str | Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """The factory(pool_view) that builds the policy `spec` names (config checked the name)."""
+    return POLICIES[spec] if isinstance(spec, str) else spec
+
+
 def pop_many_of(policy: Any) -> Callable[[int], list[int]]:
     """`policy.pop_many`, or `pop` × count for a policy that does not define it."""
     bound = getattr(policy, "pop_many", None)
     if callable(bound):
         return bound
-    pop = policy.pop
+    return _PopEach(policy)
 
-    def pop_many(count: int) -> list[int]:
+
+class _PopEach:
+    """`pop` × count, as an object holding its policy (not a closure): a deep copy or a pickle
+    of the pool then pops from the copy's own policy."""
+
+    __slots__ = ("policy",)
+
+    def __init__(self, policy: Any) -> None:
+        self.policy = policy
+
+    def __call__(self, count: int) -> list[int]:
+        pop = self.policy.pop
         return [pop() for _ in range(count)]
-
-    return pop_many
 
 
 class LRUPolicy:
@@ -78,6 +112,7 @@ class LRUPolicy:
     """
 
     __slots__ = ("_inq", "_k_link", "_k_pop", "_len", "_nxt", "_prv")
+    reads_release_seq = False  # the queue itself is the order: no batch numbers needed
 
     def __init__(self, num_blocks: int) -> None:
         self._nxt = array("i", bytes(4 * num_blocks))
@@ -88,6 +123,11 @@ class LRUPolicy:
         k = native.ext
         self._k_link = k.lru_link if k is not None else None
         self._k_pop = k.lru_pop_many if k is not None else None
+
+    @classmethod
+    def for_pool(cls, pool: PoolView) -> LRUPolicy:
+        """The factory config's "lru" names: a queue sized to the pool."""
+        return cls(pool.num_blocks)  # type: ignore[attr-defined]  # BlockPool's count
 
     def __len__(self) -> int:
         return self._len
@@ -173,3 +213,7 @@ class LRUPolicy:
             out.append(b)
             b = self._nxt[b]
         return out
+
+
+# The policies config accepts by name.
+POLICIES: dict[str, Callable[[Any], Any]] = {"lru": LRUPolicy.for_pool}

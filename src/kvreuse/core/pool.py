@@ -16,10 +16,12 @@ Each rule has one home here: a key enters the index only through `publish`, leav
 through `_evict_keys` (or all at once through `clear_keys`), and each of them records its own
 events, so the event log mirrors the index by construction.
 
-On the native path (`kvreuse.core.native`) the per-entry loop of publication runs as a C
-kernel over these same arrays, and with the built-in LRU so do those of adoption, release and
-eviction; they are called from these methods only, and the Python loops are the reference they
-are tested against.
+On the native path (`kvreuse.core.native`) the per-block loops of publication, adoption,
+release and eviction run as C kernels over these same arrays, bound once by name in a
+`BlockTable`; each is called from one method here, whose Python loop is the reference it is
+tested against and whose docstring is the contract of both. Both call the eviction policy only
+once the counts of the operation are final, so every policy (the built-in LRU or a custom one)
+sees the same pool on either path.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from kvreuse.core import native
 from kvreuse.core.events import stored_runs
 from kvreuse.core.ghost import Ghost, new_ghost
 from kvreuse.core.kinds import EntryKind, count_entry_kinds, entry_kind
-from kvreuse.core.policy import EvictionPolicy, LRUPolicy, pop_many_of
+from kvreuse.core.policy import EvictionPolicy, batch_order, policy_factory, pop_many_of
 
 if TYPE_CHECKING:
     from kvreuse.core.config import CacheConfig, Geometry
@@ -57,35 +59,36 @@ class BlockPool:
         self._key1: list[bytes | None] = [None] * n
         self._b1 = array("i", bytes(4 * n))
         self._more: dict[int, list[tuple[int, bytes]]] = {}
-        # release_seq is only read by custom policies (§11.4); LRU does not pay for it.
-        factory = cfg.eviction_policy  # "lru" (the only name config accepts) or a factory
-        self._release_seq = None if isinstance(factory, str) else array("q", bytes(8 * n))
         self._batch = 0
         self.index: list[dict[bytes, int]] = [{} for _ in geo.groups]
         self.ghost: Ghost = new_ghost(len(geo.groups), geo.ghost_capacity)  # C on the native path
         self.ghost_capacity = geo.ghost_capacity
         self._unit = geo.hash_unit
-        # Per group: the page size `entry_kind` takes (0: recurrent states) and the state page
-        # that joins BlockStored runs of states (0: attention).
-        self._full_page = [g.page_size if g.is_attention else 0 for g in geo.groups]
-        self._state_page = [0 if g.is_attention else g.page_size for g in geo.groups]
+        # Per group, its kind's event shape: the page `entry_kind` takes (0: states) and the
+        # page that joins BlockStored runs of states (0: attention).
+        self._full_page = [g.entry_page for g in geo.groups]
+        self._state_page = [g.run_page for g in geo.groups]
         self.num_evicted_blocks = 0
         self.num_removed_keys = 0
         self.num_published: dict[str, int] = {kind.value: 0 for kind in EntryKind}
-        if isinstance(factory, str):
-            self.policy: EvictionPolicy = LRUPolicy(n)
-        else:
-            self.policy = factory(self)
+        self.policy: EvictionPolicy = policy_factory(cfg.eviction_policy)(self)
         self._pop_many = pop_many_of(self.policy)
-        # The C kernels of the per-block loops (native.py), on these same arrays; only with the
-        # built-in LRU, since a custom policy may read the counts while they change.
-        # The functions are kept, not the module: a manager stays deep-copyable and picklable.
-        k = native.ext if isinstance(factory, str) else None
+        # PoolView.release_seq costs 8 bytes a block: kept only for a policy that reads it (a
+        # custom one, unless it says otherwise; the built-in LRU does not, D8).
+        reads = getattr(self.policy, "reads_release_seq", True)
+        self._release_seq = array("q", bytes(8 * n)) if reads else None
+        # The C kernels of the per-block loops (native.py), on these same arrays. The functions
+        # are kept, not the module: a manager stays deep-copyable and picklable.
+        k = native.ext
+        self._table = (
+            None
+            if k is None
+            else k.BlockTable(self.ref, self.group, self._b1, self._key1, self._more, self.index)
+        )
         self._k_adopt = k.ref_adopt if k is not None else None
         self._k_release = k.release_refs if k is not None else None
         self._k_evict = k.evict_keys if k is not None else None
-        # Publication changes no count: its kernel serves custom policies as well.
-        self._k_publish = native.ext.publish_keys if native.ext is not None else None
+        self._k_publish = k.publish_keys if k is not None else None
         self.policy.release(list(range(1, n)), [])
 
     # ------------------------------------------------------------------ PoolView
@@ -102,8 +105,8 @@ class BlockPool:
     def release_seq(self, block_id: int) -> int:
         if self._release_seq is None:
             raise ValueError(
-                "release_seq is tracked only for custom eviction policies (the built-in LRU "
-                "does not read it); configure eviction_policy=<factory> to use it"
+                "release_seq is tracked only for an eviction policy that reads it (the built-in "
+                "LRU does not); configure eviction_policy=<factory> to use it"
             )
         return self._release_seq[block_id]
 
@@ -134,28 +137,14 @@ class BlockPool:
         """Key `blocks[i]` at `boundaries[i]` (ascending) with `keys[i]`; the one publication.
 
         Attention publication (many boundaries of one commit), settled recurrent saves and the
-        finish state all come here. A NULL block (a page that left its window) or a key already
-        in the index (the first publisher keeps it) is skipped. Returns the boundaries
-        published, ascending, and records their BlockStored events: `source` is the request
-        whose tokens and chain the events are built from when they are taken.
+        finish state all come here. Returns the boundaries published, ascending, and records
+        their BlockStored events: `source` is the request whose tokens and chain the events are
+        built from when they are taken.
         """
         if self._k_publish is not None:
-            done, fresh, stop = self._k_publish(
-                self.index[group_id], self._key1, self._b1, self.group, self._more,
-                blocks, keys, boundaries, group_id,
-            )  # fmt: skip
+            done, fresh = self._k_publish(self._table, group_id, blocks, keys, boundaries)
             if fresh:
                 self._published(group_id, done, fresh)
-            if stop < len(blocks):  # a key below its block's highest: the Python loop sorts it
-                done += self._publish_each(group_id, boundaries[stop:], keys[stop:], blocks[stop:])
-        elif (
-            self._full_page[group_id] == self._unit
-            and NULL not in blocks
-            and self.index[group_id].keys().isdisjoint(keys)
-        ):
-            # page = unit: one boundary per page; with no key present, the common case of a
-            # prefill of fresh pages, the index takes every key in one C-level update.
-            done = self._publish_pages(group_id, boundaries, keys, blocks)
         else:
             done = self._publish_each(group_id, boundaries, keys, blocks)
         if done and self.events.enabled:
@@ -167,22 +156,38 @@ class BlockPool:
     def _publish_each(
         self, group_id: int, boundaries: Sequence[int], keys: Sequence[bytes], blocks: Sequence[int]
     ) -> list[int]:
-        """`publish`, one entry at a time: skips NULL blocks and keys already present."""
+        """The loop of `publish` (the `publish_keys` kernel's contract): entry by entry, a NULL
+        block (a page that left its window) or a key already in the group's index (the first
+        publisher keeps it) is skipped; otherwise the index maps the key to the block, which
+        carries it as its highest key (the one before joins its lower keys) or, below its
+        highest, among its lower keys (ascending) and belongs to the group. Returns the
+        boundaries keyed; their keys leave the ghost record and are counted by kind.
+
+        Its most common data, a prefill of pages of one unit each (page = unit) with no NULL
+        block and no key present or repeated, skips nothing: the index then takes every key in
+        one C-level update, and the loop only places each key on its block."""
         idx, key1, b1, group = self.index[group_id], self._key1, self._b1, self.group
-        done: list[int] = []
-        fresh: list[bytes] = []
+        bulk = False
+        if self._full_page[group_id] == self._unit and NULL not in blocks:
+            new = dict(zip(keys, blocks, strict=True))
+            bulk = len(new) == len(keys) and idx.keys().isdisjoint(new)
+            if bulk:
+                idx.update(new)
+        done: list[int] = list(boundaries) if bulk else []
+        fresh: list[bytes] = list(keys) if bulk else []
         for b, key, blk in zip(boundaries, keys, blocks, strict=True):
-            if not blk or key in idx:
-                continue
-            idx[key] = blk
+            if not bulk:
+                if not blk or key in idx:
+                    continue
+                idx[key] = blk
+                done.append(b)
+                fresh.append(key)
             if key1[blk] is None:
                 key1[blk] = key
                 b1[blk] = b
             else:
                 self._attach(blk, b, key)
             group[blk] = group_id
-            done.append(b)
-            fresh.append(key)
         if fresh:
             self._published(group_id, done, fresh)
         return done
@@ -196,25 +201,6 @@ class BlockPool:
             self.num_published[_FULL] += len(done)
         else:
             count_entry_kinds(self.num_published, page, done)
-
-    def _publish_pages(
-        self, group_id: int, boundaries: Sequence[int], keys: Sequence[bytes], blocks: Sequence[int]
-    ) -> list[int]:
-        """`publish` when page = unit, no block is NULL and none of the keys exists.
-
-        The blocks are the request's own fresh pages (one boundary each, never keyed before),
-        so the index takes the keys in one C-level update and each block its single key, and
-        every entry ends its page: all are full.
-        """
-        self.index[group_id].update(zip(keys, blocks, strict=True))
-        key1, b1, group = self._key1, self._b1, self.group
-        for blk, key, b in zip(blocks, keys, boundaries, strict=True):
-            key1[blk] = key
-            b1[blk] = b
-            group[blk] = group_id
-        self.ghost.discard_many(group_id, keys)
-        self.num_published[_FULL] += len(keys)
-        return list(boundaries)
 
     def _attach(self, block_id: int, boundary: int, key: bytes) -> None:
         """Add a key to a block that already carries one (sub-page entries of a large page)."""
@@ -240,16 +226,21 @@ class BlockPool:
         self.ref[block_id] += 1
 
     def adopt_many(self, blocks: Iterable[int]) -> None:
-        ref, remove = self.ref, self.policy.remove
+        """A reference more on each of `blocks` (one per occurrence); those whose count was 0
+        then leave the free queue, in the order given (the `ref_adopt` kernel's contract)."""
         if self._k_adopt is not None:
-            for b in self._k_adopt(ref, blocks):  # those whose count was 0
-                remove(b)
-            return
-        for b in blocks:
-            c = ref[b]
-            if not c:
-                remove(b)
-            ref[b] = c + 1
+            zero = self._k_adopt(self._table, blocks)
+        else:
+            zero = []
+            ref = self.ref
+            for b in blocks:
+                c = ref[b]
+                if not c:
+                    zero.append(b)
+                ref[b] = c + 1
+        remove = self.policy.remove
+        for b in zero:
+            remove(b)
 
     def pop(self, group_id: int) -> int:
         """Hand out the policy's next block with count 1, evicting its keys first."""
@@ -267,18 +258,28 @@ class BlockPool:
         """Drop one reference per occurrence; queue the blocks that reach 0 as one batch.
 
         `ordered` lists the references in the unkeyed run order of spec §11.2 (ascending group,
-        descending table position, …); keyed blocks are re-sorted for the tail.
+        descending table position, …); the batch reaches the policy as (unkeyed, keyed), the
+        keyed run in `batch_order`, numbered for `release_seq` where the policy reads it.
         """
         if self._k_release is not None:
-            split = self._k_release(
-                self.ref, ordered, self._key1, self.group, self._b1, len(self.index) > 1
-            )
-            if split is not None:  # the zero batch, split and ordered as `_queue` does
-                self._batch += 1
-                self.policy.release(*split)
+            split = self._k_release(self._table, ordered)
+        else:
+            split = self._release_each(ordered)
+        if split is None:
             return
-        # One pass: each block that reaches 0 joins its run as it does (the split needs only
-        # its keys, which a release does not change).
+        self._batch += 1
+        seq = self._release_seq
+        if seq is not None:
+            batch = self._batch
+            for run in split:
+                for b in run:
+                    seq[b] = batch
+        self.policy.release(*split)
+
+    def _release_each(self, ordered: Iterable[int]) -> tuple[list[int], list[int]] | None:
+        """The loop of `release` (the `release_refs` kernel's contract): each occurrence drops a
+        reference; a block that reaches 0 joins the unkeyed run (losing its group) or the keyed
+        one as it does. Returns (unkeyed, keyed in `batch_order`), or None when none reached 0."""
         ref, key1, group = self.ref, self._key1, self.group
         unkeyed: list[int] = []
         keyed: list[int] = []
@@ -291,23 +292,10 @@ class BlockPool:
                     unkeyed.append(b)
                 else:
                     keyed.append(b)
-        if unkeyed or keyed:
-            self._queue(unkeyed, keyed)
-
-    def _queue(self, unkeyed: list[int], keyed: list[int]) -> None:
-        """Queue one release batch: the unkeyed run as released, the keyed one sorted."""
-        self._batch += 1
-        if self._release_seq is not None:
-            for b in (*unkeyed, *keyed):
-                self._release_seq[b] = self._batch
-        if len(keyed) > 1:
-            # Decreasing highest boundary, then ascending group, then ascending id: three
-            # stable C-level sorts, least significant first (reverse=True keeps ties stable).
-            keyed.sort()
-            if len(self.index) > 1:
-                keyed.sort(key=self.group.__getitem__)
-            keyed.sort(key=self._b1.__getitem__, reverse=True)
-        self.policy.release(unkeyed, keyed)
+        if not unkeyed and not keyed:
+            return None
+        batch_order(keyed, self._b1, self.group, len(self.index) > 1)
+        return unkeyed, keyed
 
     # ------------------------------------------------------------------ eviction and reset
     def evict(self, block_id: int) -> None:
@@ -332,9 +320,8 @@ class BlockPool:
         gone: list[tuple[int, bytes, int]] | None
         if self._k_evict is not None:  # the kernel also adds the keys to the C ghost record
             gone, num_keys, num_blocks = self._k_evict(
-                blocks, self._key1, self._b1, self.group, self.ref, self.index, self._more,
-                group_id, ref_count, self.ghost, events,
-            )  # fmt: skip
+                self._table, blocks, group_id, ref_count, self.ghost, events
+            )
         else:
             gone, num_blocks = self._unkey(blocks, group_id, ref_count)
             self.ghost.add_many(gone)
@@ -351,8 +338,10 @@ class BlockPool:
     def _unkey(
         self, blocks: Iterable[int], group_id: int, ref_count: int
     ) -> tuple[list[tuple[int, bytes, int]], int]:
-        """`_evict_keys`' loop: the keys leave the index as (group, key, boundary) rows;
-        returns them and the number of blocks that had keys."""
+        """`_evict_keys`' loop (the `evict_keys` kernel's contract, which also adds the rows to
+        the C ghost record): in block order, every key of a block leaves the group's index,
+        its lower keys first (ascending), as (group, key, boundary) rows; then each block gets
+        `group_id` and `ref_count`. Returns the rows and the number of blocks that had keys."""
         key1, b1, group, index, more_of = self._key1, self._b1, self.group, self.index, self._more
         ref = self.ref
         gone: list[tuple[int, bytes, int]] = []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NamedTuple
@@ -129,7 +129,11 @@ class RecurrentSlots:
 
 @dataclass(eq=False, slots=True, kw_only=True)
 class RequestState:
-    """Everything the manager knows about one request."""
+    """Everything the manager knows about one request.
+
+    Its fields change only through the methods below (`tests/core/test_request_owner.py`
+    checks that no module assigns them), so each change keeps what depends on it true: a
+    change of `tables` drops the cached `plan_parts`, and the step fields move together."""
 
     request_id: str
     tokens: array[int]  # 4-byte unsigned: a tenth of a list's memory, hashed from its buffer
@@ -144,16 +148,17 @@ class RequestState:
     hit: int = 0  # h of the current admission
     tables: dict[int, list[int]] = field(default_factory=dict)  # attention group -> pages
     window_lo: dict[int, int] = field(default_factory=dict)  # pages below are all NULL (10.5)
-    # Every change of `tables` resets it to None (admit, growth, window free, release).
+    # What growth plans share while no page changes; every change of `tables` drops it.
     plan_parts: PlanParts | None = None
     recurrent: dict[int, RecurrentSlots] = field(default_factory=dict)
     processed: dict[int, int] = field(default_factory=dict)  # d per attention group (10.3)
     planned: dict[int, dict[int, SavePurpose]] = field(default_factory=dict)  # gid -> {c: why}
     dense_from: int = 0  # dense positions above this are planned per step
     published_states: dict[int, list[int]] = field(default_factory=dict)  # I13
+    # The step fields, moved by StepLedger: its open plan, its sealed unsettled steps (ids),
+    # and a finish or preempt waiting for the oldest of them.
     open_plan: RequestPlan | None = None
-    # The ledger's fields: changed only by StepLedger.
-    inflight: list[int] = field(default_factory=list)  # ids of sealed, unsettled steps
+    inflight: list[int] = field(default_factory=list)
     deferred: Deferral | None = None
     admissions: int = 0
     first_hit: int = 0
@@ -164,6 +169,129 @@ class RequestState:
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
+
+    # ------------------------------------------------------------------ admission and release
+    def admit(
+        self,
+        tables: dict[int, list[int]],
+        recurrent: dict[int, RecurrentSlots],
+        hit: int,
+        processed: dict[int, int],
+        planned: dict[int, dict[int, SavePurpose]],
+        dense_from: int,
+    ) -> None:
+        """An admission with hit `hit` took these slots: the request runs, T = h (its plan,
+        `open_step`, moves the scheduled end)."""
+        self.tables, self.recurrent, self.plan_parts, self.window_lo = tables, recurrent, None, {}
+        self.hit = self.committed = hit
+        self.processed, self.planned, self.dense_from = processed, planned, dense_from
+        self.published_states = {gid: [] for gid in recurrent} if recurrent else {}
+        self.phase = Phase.RUNNING
+
+    def note_admission(self, hit: int, reason: str) -> bool:
+        """Record an admission's hit and reason; True for the first admission."""
+        first = self.admissions == 0
+        if first:
+            self.first_hit, self.first_reason = hit, reason
+        self.admissions += 1
+        self.last_hit, self.last_reason = hit, reason
+        return first
+
+    def release(self, phase: Phase) -> None:
+        """Every slot was given back (finish: FINISHED, preempt: WAITING with its tokens and
+        hashes kept); the request is in no step."""
+        self.tables, self.recurrent, self.planned = {}, {}, {}
+        self.plan_parts = None
+        self.processed, self.published_states = {}, {}
+        self.committed = self.scheduled = self.hit = 0
+        self.open_plan, self.inflight, self.deferred = None, [], None
+        self.phase = phase
+
+    # ------------------------------------------------------------------ growth and commit
+    def add_pages(self, gid: int, blocks: list[int]) -> None:
+        self.tables[gid].extend(blocks)
+        self.plan_parts = None
+
+    def keep_plan_parts(self, parts: PlanParts) -> None:
+        self.plan_parts = parts
+
+    def plan_dense(self, gid: int, positions: list[int]) -> None:
+        planned = self.planned[gid]
+        for c in positions:
+            planned[c] = SavePurpose.DENSE
+
+    def advance(self, t_new: int, tokens: list[int], lookahead: int, unit: int) -> None:
+        """A commit: append its tokens (hashing the units they complete) and set T = T′; with
+        nothing else in flight, the next step starts there."""
+        if tokens:
+            self.tokens.extend(tokens)
+            if len(self.tokens) - lookahead >= (self.chain.num_units + 1) * unit:
+                self.chain.extend(self.tokens)
+        self.committed = t_new
+        if not self.inflight:
+            self.scheduled = t_new
+
+    def mark_processed(self, gid: int, boundary: int) -> None:
+        self.processed[gid] = boundary
+
+    def free_window(self, gid: int, top: int) -> list[int]:
+        """NULL the pages below `top` of group `gid`'s table (they left its window, 10.5);
+        returns the blocks they held, highest page first."""
+        row = self.tables[gid]
+        top = min(top, len(row))
+        lo = self.window_lo.get(gid, 0)
+        # Every page below `lo` was freed (or never held) by an earlier commit: the scan covers
+        # only what left the window since, not the whole table on every decode step.
+        freed: list[int] = []
+        for j in range(top - 1, lo - 1, -1):
+            if row[j]:
+                freed.append(row[j])
+                row[j] = 0
+        if top > lo:
+            self.window_lo[gid] = top
+            self.plan_parts = None  # the next plan's tables must show the freed pages
+        return freed
+
+    def hold(self, gid: int, position: int, block_id: int) -> None:
+        """A valid rolling save: its pending reference becomes a held state."""
+        self.recurrent[gid].held[position] = block_id
+
+    def drop_held(self, gid: int, lo: int, hi: int) -> list[int]:
+        """Forget the held states of group `gid` outside [lo, hi]; their blocks, newest first."""
+        held = self.recurrent[gid].held
+        return [held.pop(c) for c in sorted(held, reverse=True) if not lo <= c <= hi]
+
+    def note_published_state(self, gid: int, position: int) -> None:
+        self.published_states[gid].append(position)
+
+    # ------------------------------------------------------------------ steps (StepLedger)
+    def open_step(self, plan: RequestPlan, end: int) -> None:
+        """`plan` joined the open step: the request is scheduled up to `end`."""
+        self.open_plan = plan
+        self.scheduled = end
+
+    def withdraw_open(self) -> None:
+        self.open_plan = None
+
+    @staticmethod
+    def enter_step(requests: Iterable[RequestState], step_id: int) -> None:
+        """The open plans of `requests` were sealed into step `step_id` (one call a step)."""
+        for req in requests:
+            req.open_plan = None
+            req.inflight.append(step_id)
+
+    @staticmethod
+    def leave_step(requests: Iterable[RequestState], step_id: int) -> None:
+        """Step `step_id` of `requests` settled (one call a step)."""
+        for req in requests:
+            inflight = req.inflight
+            if inflight and inflight[0] == step_id:  # steps settle oldest first: usually
+                del inflight[0]
+            elif step_id in inflight:
+                inflight.remove(step_id)
+
+    def defer(self, what: Deferral) -> None:
+        self.deferred = what
 
 
 def new_request_state(req: Request, hasher: Hasher) -> RequestState:

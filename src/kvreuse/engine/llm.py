@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvreuse.core import CacheConfig, KVCacheManager, Request
+from kvreuse.core import CacheConfig, KVCacheManager, Request, Stage
 from kvreuse.deployment import DeploymentSpec, check_num_blocks, resolve
 from kvreuse.engine.checkpoint import load_model
 from kvreuse.engine.config import LAYER_KINDS, ModelConfig
@@ -54,8 +54,8 @@ def default_model_config(
     )
     if not kinds:
         raise ValueError("the geometry has no full, sliding or recurrent target group")
-    window = next((g.window for g in groups if g.kind == "sliding"), None)
-    draft = any(g.kind == "full" and g.role == "draft" for g in groups)
+    window = next((g.window for g in groups if g.window is not None), None)
+    draft = any(g.stage is Stage.FULL and g.is_draft for g in groups)
     layers = kinds * 2 if len(kinds) <= 2 else kinds
     return ModelConfig(
         vocab_size=vocab_size,
@@ -72,7 +72,7 @@ def check_model_fits(model: ModelConfig | Any, cache: CacheConfig) -> None:
     have = set(model.layer_types)
     for g in cache.geometry.groups:
         if g.is_draft:
-            if g.kind == "full" and not model.draft_head:
+            if g.stage is Stage.FULL and not model.draft_head:
                 raise ValueError(
                     f"the geometry's {g.describe()} holds a drafter's KV, but the model has no "
                     "draft head; use a geometry without a draft group, or a model with one"

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kvreuse.core import CacheConfig, Copy, Geometry, RequestPlan
+from kvreuse.core import CacheConfig, Copy, Geometry, RequestPlan, Stage
 from kvreuse.engine.config import ModelConfig
 from kvreuse.engine.kernels import attention_partial, gated_scan, merge_partials
 from kvreuse.engine.model import Scan
@@ -49,13 +49,13 @@ def map_layers(model: ModelConfig | Any, geo: Geometry) -> dict[str, int]:
                 f"groups: {[g.describe() for g in geo.groups]}"
             )
         g = geo.groups[gid]
-        if kind == "sliding" and g.window != model.sliding_window:
+        if g.window is not None and g.window != model.sliding_window:
             raise ValueError(
                 f"layer {i}: model sliding_window {model.sliding_window} differs from the "
                 f"geometry's window {g.window} ({g.describe()})"
             )
         out[f"layers.{i}"] = gid
-    draft = first("full", "draft")
+    draft = next((g.group_id for g in geo.groups if g.is_draft and g.stage is Stage.FULL), None)
     if model.draft_head and draft is not None:
         out["draft"] = draft
     return out

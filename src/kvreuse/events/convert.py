@@ -24,10 +24,9 @@ from typing import Any
 from kvreuse.core import AllBlocksCleared as CoreCleared
 from kvreuse.core import BlockRemoved as CoreRemoved
 from kvreuse.core import BlockStored as CoreStored
-from kvreuse.core import Event, Geometry, GroupGeometry
+from kvreuse.core import Event, Geometry, GroupGeometry, Stage
 from kvreuse.events.wire import (
     MEDIUM_GPU,
-    SPEC_KINDS,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -64,7 +63,7 @@ def block_extra_keys(
 def attention_group(geo: Geometry) -> GroupGeometry:
     """The group a router that reads one group indexes: the first full-attention target."""
     for g in geo.cacheable:
-        if g.kind == "full" and not g.is_draft:
+        if g.stage is Stage.FULL and not g.is_draft:
             return g
     raise ValueError("the geometry has no prefix-cacheable full-attention target group")
 
@@ -76,8 +75,9 @@ class Converter:
         self.geo = geo
         cacheable = {g.group_id for g in geo.cacheable}
         self.group_ids = cacheable if groups is None else set(groups) & cacheable
-        # per group: (kv_cache_spec_kind, kv_cache_spec_sliding_window), looked up per event
-        self._spec = {g.group_id: (SPEC_KINDS[g.kind], g.window) for g in geo.groups}
+        # per group: (kv_cache_spec_kind, kv_cache_spec_sliding_window), looked up per event;
+        # the kind names itself in vLLM's words (kvreuse.core.kinds)
+        self._spec = {g.group_id: (g.wire_kind, g.window) for g in geo.groups}
 
     def convert(self, events: Iterable[Event]) -> list[WireEvent]:
         out: list[WireEvent] = []

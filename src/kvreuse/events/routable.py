@@ -43,7 +43,7 @@ from operator import itemgetter
 from kvreuse.core import AllBlocksCleared as CoreCleared
 from kvreuse.core import BlockRemoved as CoreRemoved
 from kvreuse.core import BlockStored as CoreStored
-from kvreuse.core import Event, Geometry
+from kvreuse.core import Event, Geometry, GroupGeometry, Stage
 from kvreuse.events.routable_tree import CAME, COV, PUB, ROUT, SET_PUB_CAME, Run, UnitTree
 from kvreuse.events.routable_wire import emit_removed, emit_stored
 from kvreuse.events.wire import AllBlocksCleared, WireEvent
@@ -178,14 +178,14 @@ class RoutableFilter(UnitTree):
         self.dirty.update(known)
         if self.drop:
             self.dirty.update(p for p in map(self.parent, known) if p is not None)
-        if g.kind == "recurrent":
+        if not g.is_attention:
             return  # a state moves only its own boundary
         for e in ev.entries:
             if e.boundary % g.page_size == 0 and e.hash in node:
-                if g.kind == "full":
+                if g.stage is Stage.FULL:
                     self.cover(e.hash)
                 else:
-                    self._mark_below(e.hash, _reach(g.window or g.chunk or 0, g.page_size))
+                    self._mark_below(e.hash, _reach(g))
 
     def _mark_below(self, h: bytes, reach: int) -> None:
         """Judge the known units below `h` down to `reach` tokens (a window page changed)."""
@@ -252,10 +252,10 @@ class RoutableFilter(UnitTree):
         if self.drop and (p := self.parent(h)) is not None:
             hit.append(p)
         if self.boundary(h) % g.page_size == 0:
-            if g.kind == "full":
+            if g.stage is Stage.FULL:
                 hit += self.uncover(h)
-            elif g.kind != "recurrent":
-                hit += self._published_below(h, _reach(g.window or g.chunk or 0, g.page_size))
+            elif g.is_attention:
+                hit += self._published_below(h, _reach(g))
         for x in hit:
             if self.flag(x, ROUT) and not self.judge(x):
                 r, j = self.at(x)
@@ -304,6 +304,6 @@ class RoutableFilter(UnitTree):
                 self.publish_path(h)
 
 
-def _reach(window: int, page: int) -> int:
+def _reach(g: GroupGeometry) -> int:
     """How far below a window group's page end a change of its key can move `routable`."""
-    return window + 2 * page
+    return g.reach() + 2 * g.page_size

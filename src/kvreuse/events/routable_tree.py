@@ -25,7 +25,7 @@ from operator import itemgetter
 from typing import Final
 
 from kvreuse.core import BlockStored as CoreStored
-from kvreuse.core import Geometry, GroupGeometry, compute_lookup
+from kvreuse.core import Geometry, GroupGeometry, Stage, compute_lookup
 from kvreuse.events.convert import attention_group
 from kvreuse.events.mirror import HashChain
 
@@ -71,18 +71,19 @@ class UnitTree:
         self.index: list[dict[bytes, int]] = [{} for _ in geo.groups]
         self.att = self.index[self.gid]
         self.full_pages = [
-            (g.page_size, self.index[g.group_id]) for g in geo.cacheable if g.kind == "full"
+            (g.page_size, self.index[g.group_id]) for g in geo.cacheable if g.stage is Stage.FULL
         ]
-        # Outside drop mode a prefix ending at k is accepted by a full, sliding or recurrent
-        # group only with an entry at k (in drop mode a full or window group may take the one
-        # at k + u instead, so only the attention group and the states are required there).
+        # Outside drop mode a prefix ending at k is accepted only with an entry at k, unless
+        # the kind accepts some x with nothing (a chunk start); in drop mode a full or window
+        # group may take the one at k + u instead, so only the attention group and the states
+        # are required there.
         self.keyed_others = [
             self.index[g.group_id]
             for g in geo.cacheable
             if g.group_id != self.gid
-            and (g.kind == "recurrent" or (not self.drop and g.kind != "chunked"))
+            and (g.stage is Stage.STATE or (not self.drop and not g.fresh_starts))
         ]
-        self.windowed = [g for g in geo.cacheable if g.kind in ("sliding", "chunked")]
+        self.windowed = [g for g in geo.cacheable if g.stage is Stage.WINDOW]
         self.boundaries: list[int] = [0]  # k·u at k: shared ints, none made per unit
         self.node: dict[bytes, Run] = {}
         self.holes: dict[bytes, int] = {}  # known unit out of the index -> its boundary
@@ -273,12 +274,13 @@ class UnitTree:
         return all(self._window_ok(h, g) for g in self.windowed)
 
     def _window_ok(self, h: bytes, g: GroupGeometry) -> bool:
-        """A sliding or chunked group accepts the prefix ending at `h`: an entry at its
-        boundary b, and a key at the end of every page that the window of b still needs."""
+        """A window group accepts the prefix ending at `h`: an entry at its boundary b, and a
+        key at the end of every page that the window of b still needs (the paged layout's
+        rule, from the kind's `attend_from` and `starts_fresh`)."""
         b = self.boundary(h)
+        if g.starts_fresh(b):
+            return True  # (a chunk starts at b) nothing before it is attended to
         lo = g.attend_from(b)
-        if g.kind == "chunked" and lo == b:
-            return True  # a chunk starts at b: nothing before it is attended to
         idx = self.index[g.group_id]
         if h not in idx:
             return False

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 from kvreuse.events.convert import block_extra_keys
 from kvreuse.events.wire import (
     MEDIUM_GPU,
-    SPEC_KINDS,
     BlockRemoved,
     BlockStored,
     WireEvent,
@@ -82,7 +81,7 @@ def _append(
         if last.lookahead_token_ids is not None and lookahead is not None:
             last.lookahead_token_ids.extend(lookahead)
         return
-    spec = (SPEC_KINDS["full"], None)
+    spec = (tree.geo.groups[tree.gid].wire_kind, None)
     out.append(
         stored_run(low64(stretch), up, list(tokens), tree.u, tree.gid, spec, lora, extra, lookahead)
     )

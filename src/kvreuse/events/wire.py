@@ -19,14 +19,6 @@ import msgspec
 
 MEDIUM_GPU = "GPU"
 
-# vLLM's KVCacheSpecKind values for the group kinds kvreuse has.
-SPEC_KINDS: dict[str, str] = {
-    "full": "full_attention",
-    "sliding": "sliding_window",
-    "chunked": "chunked_local_attention",
-    "recurrent": "mamba",
-}
-
 _MASK64 = (1 << 64) - 1
 
 

@@ -39,11 +39,11 @@ class RulePredictor:
         top = min(committed, n * u) // u * u  # E rounded to the unit grid
         groups = [g for g in geo.groups if g.cacheable]
         for g in groups:
-            if g.kind != "recurrent":
+            if g.is_attention:
                 for b in range(u, top + 1, u):
                     self.entries.add((g.group_id, b, ident(geo, req, b)))
         for g in groups:
-            if g.kind == "recurrent":
+            if not g.is_attention:
                 for c in self._states(g.page_size, len(prompt), committed, n, hit, junction):
                     self.entries.add((g.group_id, c, ident(geo, req, c)))
 

@@ -12,7 +12,7 @@ M = 4  # output tokens of most requests: greedy answers are compared cold vs war
 def _sizes(runner: Runner) -> tuple[int, int, int]:
     geo = runner.geo.cache.geometry
     u = geo.hash_unit
-    pages = [g.page_size for g in geo.groups if g.kind != "recurrent"] or [u]
+    pages = [g.page_size for g in geo.groups if g.is_attention] or [u]
     limit = runner.client.max_model_len or runner.geo.max_model_len or 8192
     return u, max(pages), limit
 
@@ -73,7 +73,7 @@ def pressure(runner: Runner, page: int, limit: int, quick: bool, budget: int) ->
     first: the newest are still resident, the oldest were evicted (and evict others in turn)."""
     cfg = runner.geo.cache
     length = min(page, limit // 2)
-    recurrent = sum(1 for g in cfg.geometry.groups if g.kind == "recurrent")
+    recurrent = sum(1 for g in cfg.geometry.groups if not g.is_attention)
     per = -(-length // page) + recurrent  # what a finished sequence leaves resident, at least
     count = math.ceil(1.25 * (cfg.num_blocks - 1) / per)
     with runner.scenario("e-pressure") as sc:

@@ -122,15 +122,12 @@ class Scheduler:
         self.seqs: dict[str, Seq] = {}
         self.num_steps = 0
         geo = mgr.config.geometry
-        # per group, what a request of N tokens must hold at once, at least: every page of a
-        # full-attention group, one page of a window group, a recurrent group's live state and
-        # scratch. Exact for full attention; the rest are lower bounds, so no request that
-        # could run is ever refused (one that still cannot fit is caught when it preempts
-        # itself, alone in the batch).
-        self._full_pages = [g.page_size for g in geo.groups if g.kind == "full"]
-        self._fixed_blocks = sum(
-            1 if g.is_attention else 1 + g.scratch for g in geo.groups if g.kind != "full"
-        )
+        # per group, what a request of N tokens must hold at once, at least (its kind's
+        # `min_blocks_held`: every page of a full-attention group, one page of a window group, a
+        # recurrent group's live state and scratch). Exact for full attention; the rest are
+        # lower bounds, so no request that could run is ever refused (one that still cannot fit
+        # is caught when it preempts itself, alone in the batch).
+        self._groups = geo.groups
         self._usable_blocks = mgr.config.num_blocks - 1  # the null block is never handed out
 
     # ------------------------------------------------------------------ requests
@@ -174,7 +171,7 @@ class Scheduler:
 
     def min_blocks(self, num_tokens: int) -> int:
         """A lower bound of the blocks a request must hold at once to compute `num_tokens`."""
-        return self._fixed_blocks + sum(-(-num_tokens // b) for b in self._full_pages)
+        return sum(g.min_blocks_held(num_tokens) for g in self._groups)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -35,6 +35,13 @@ extern PyTypeObject kvr_GhostType;
 int kvr_ghost_add(PyObject *ghost, int gid, PyObject *key, PyObject *boundary);
 void kvr_ghost_trim(PyObject *ghost);
 
+/* table.c: the pool's per-block state, bound once for the kernels below */
+typedef struct {
+    PyObject_HEAD PyObject *ref, *group, *b1, *key1, *more, *index;
+} kvr_table;
+extern PyTypeObject kvr_TableType;
+kvr_table *kvr_table_arg(PyObject *o, const char *name);
+
 /* ------------------------------------------------------------------ the owners' flat arrays */
 
 /* The owners' flat arrays (array('i'), array('b'), bytearray), borrowed writable for one call. */

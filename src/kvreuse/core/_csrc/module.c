@@ -2,9 +2,9 @@
  * kvreuse.core._native: optional C kernels for the core's per-unit and per-block hot paths.
  *
  * Every kernel implements one method of a pure-Python owner (hashing.Chain in chain.c,
- * policy.LRUPolicy in queue.c, pool.BlockPool in pool.c) on that owner's own state: the flat
- * arrays, lists and dicts are passed in and changed in place, exactly as the Python method would
- * change them. One owner is a type instead: Ghost (ghost.c, ghost_type.c) is ghost.GhostRecord
+ * policy.LRUPolicy in queue.c, pool.BlockPool in pool.c and publish.c) on that owner's own
+ * state, changed in place exactly as the Python method would change it: the LRU's arrays are
+ * passed in, the pool's are bound once by name in a BlockTable (table.c). One owner is a type instead: Ghost (ghost.c, ghost_type.c) is ghost.GhostRecord
  * with the same interface, its state kept in C. The pure-Python code is the reference;
  * tests/core/test_native*.py compare the two.
  * SHA-256 comes from the libcrypto that hashlib loaded, else portable code (sha256.c).
@@ -32,15 +32,13 @@ static PyMethodDef methods[] = {
     {"lru_link", (PyCFunction)(void (*)(void))kvr_lru_link, METH_FASTCALL,
      "lru_link(nxt, prv, inq, unkeyed, keyed): LRUPolicy.release's linking"},
     {"ref_adopt", (PyCFunction)(void (*)(void))kvr_ref_adopt, METH_FASTCALL,
-     "ref_adopt(ref, blocks) -> list[int]: the blocks whose count was 0"},
+     "ref_adopt(table, blocks) -> list[int]: the blocks whose count was 0"},
     {"evict_keys", (PyCFunction)(void (*)(void))kvr_evict_keys, METH_FASTCALL,
-     "evict_keys(blocks, key1, b1, group, ref, index, more, group_id, ref_count, ghost, rows)"
-     " -> (gone, num_keys, num_blocks)"},
+     "evict_keys(table, blocks, group_id, ref_count, ghost, rows) -> (gone, num_keys, num_blocks)"},
     {"publish_keys", (PyCFunction)(void (*)(void))kvr_publish_keys, METH_FASTCALL,
-     "publish_keys(index, key1, b1, group, more, blocks, keys, boundaries, group_id)"
-     " -> (done, fresh, stop)"},
+     "publish_keys(table, group_id, blocks, keys, boundaries) -> (done, fresh)"},
     {"release_refs", (PyCFunction)(void (*)(void))kvr_release_refs, METH_FASTCALL,
-     "release_refs(ref, ordered, key1, group, b1, multi_group) -> None | (unkeyed, keyed)"},
+     "release_refs(table, ordered) -> None | (unkeyed, keyed)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -57,7 +55,9 @@ PyInit__native(void)
         return NULL;
     kvr_sha256_load();
     if (PyType_Ready(&kvr_GhostType) < 0 ||
-        PyModule_AddObjectRef(m, "Ghost", (PyObject *)&kvr_GhostType) < 0) {
+        PyModule_AddObjectRef(m, "Ghost", (PyObject *)&kvr_GhostType) < 0 ||
+        PyType_Ready(&kvr_TableType) < 0 ||
+        PyModule_AddObjectRef(m, "BlockTable", (PyObject *)&kvr_TableType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -1,8 +1,8 @@
 /*
- * BlockPool's per-block loops (pool.py) on its own state: ref, b1 (array('i')), group
- * (array('b')), key1 (a list of bytes or None), the index (a list of dicts) and the lower keys of
- * large pages (a dict). Evicted keys go straight into the C ghost record (ghost.c); the events
- * and the counters stay with the caller.
+ * BlockPool's per-block loops of adoption and eviction (pool.py) on its own state, bound in a
+ * BlockTable (table.c). Evicted keys go straight into the C ghost record (ghost.c); the events
+ * and the counters stay with the caller. Each kernel's contract is the docstring of the pool
+ * method it serves; the Python loop there is the reference it is tested against.
  */
 #include "kvr.h"
 
@@ -11,12 +11,13 @@ kvr_ref_adopt(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     flat ref;
     PyObject *seq, *zero = NULL;
+    kvr_table *t;
     Py_ssize_t i, n;
-    if (check_args(nargs, 2, "ref_adopt") < 0)
+    if (check_args(nargs, 2, "ref_adopt") < 0 || (t = kvr_table_arg(args[0], "ref_adopt")) == NULL)
         return NULL;
     if ((seq = PySequence_Fast(args[1], "ref_adopt: blocks must be a sequence")) == NULL)
         return NULL;
-    if (flat_open(args[0], 4, "ref_adopt", &ref) < 0)
+    if (flat_open(t->ref, 4, "ref_adopt", &ref) < 0)
         goto out;
     if ((zero = PyList_New(0)) == NULL)
         goto close;
@@ -36,65 +37,6 @@ close:
 out:
     Py_DECREF(seq);
     return zero;
-}
-
-typedef struct {
-    int32_t b1, group, id;
-} keyed_block;
-
-static int
-cmp_keyed(const void *pa, const void *pb)
-{
-    const keyed_block *a = pa, *b = pb;
-    if (a->b1 != b->b1)
-        return a->b1 > b->b1 ? -1 : 1; /* decreasing highest boundary */
-    if (a->group != b->group)
-        return a->group < b->group ? -1 : 1;
-    return a->id < b->id ? -1 : a->id > b->id;
-}
-
-/* Split the blocks that reached 0 into (unkeyed, keyed): unkeyed ones lose their group, keyed
- * ones are ordered for the tail (decreasing highest boundary, group, id). */
-static PyObject *
-split_release(PyObject *zero, PyObject *key1, flat *group, flat *b1, int multi)
-{
-    Py_ssize_t i, n = PyList_GET_SIZE(zero), nk = 0;
-    keyed_block *kb = PyMem_Malloc(sizeof(keyed_block) * (size_t)(n ? n : 1));
-    PyObject *unkeyed = PyList_New(0), *keyed = NULL, *ret = NULL;
-    if (kb == NULL || unkeyed == NULL) {
-        PyErr_NoMemory();
-        goto out;
-    }
-    for (i = 0; i < n; i++) {
-        PyObject *item = PyList_GET_ITEM(zero, i);
-        Py_ssize_t b = PyLong_AsSsize_t(item);
-        if (PyList_GET_ITEM(key1, b) == Py_None) {
-            I8(*group)[b] = -1;
-            if (PyList_Append(unkeyed, item) < 0)
-                goto out;
-        }
-        else {
-            kb[nk].b1 = I32(*b1)[b];
-            kb[nk].group = multi ? I8(*group)[b] : 0;
-            kb[nk].id = (int32_t)b;
-            nk++;
-        }
-    }
-    qsort(kb, (size_t)nk, sizeof *kb, cmp_keyed);
-    if ((keyed = PyList_New(nk)) == NULL)
-        goto out;
-    for (i = 0; i < nk; i++) {
-        PyObject *v = PyLong_FromLong(kb[i].id);
-        if (v == NULL)
-            goto out;
-        PyList_SET_ITEM(keyed, i, v);
-    }
-    ret = PyTuple_Pack(2, unkeyed, keyed);
-out:
-    PyMem_Free(kb);
-    Py_XDECREF(unkeyed);
-    Py_XDECREF(keyed);
-    return ret;
 }
 
 /* Where evict_keys sends each evicted key: the C ghost record, and (when events are taken) a
@@ -182,8 +124,7 @@ evict_block(Py_ssize_t b, PyObject *key1, flat *b1, flat *group, PyObject *index
     return 1;
 }
 
-/* evict_keys(blocks, key1, b1, group, ref, index, more, group_id, ref_count, ghost, rows)
- *     -> (gone, num_keys, num_blocks)
+/* evict_keys(table, blocks, group_id, ref_count, ghost, rows) -> (gone, num_keys, num_blocks)
  * BlockPool._evict_keys' loop: every key of `blocks` leaves its index (the lower keys of a
  * large page first) for the C ghost record `ghost` (trimmed once, at the end), in block order;
  * `gone` lists them as (group, key, boundary) rows when `rows` is true, else is None. Each block
@@ -191,35 +132,35 @@ evict_block(Py_ssize_t b, PyObject *key1, flat *b1, flat *group, PyObject *index
 PyObject *
 kvr_evict_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *seq, *key1 = args[1], *index = args[5], *more = args[6], *ret = NULL;
+    PyObject *seq, *key1, *index, *more, *ret = NULL;
     flat b1, group, ref;
     Py_ssize_t i, n, limit, num_blocks = 0;
     long group_id, ref_count;
     int rows;
-    evicted out = {args[9], NULL, 0};
-    if (check_args(nargs, 11, "evict_keys") < 0)
+    kvr_table *t;
+    evicted out = {NULL, NULL, 0};
+    if (check_args(nargs, 6, "evict_keys") < 0 || (t = kvr_table_arg(args[0], "evict_keys")) == NULL)
         return NULL;
-    if (!PyList_Check(key1) || !PyList_Check(index) || !PyDict_Check(more) ||
-        !PyObject_TypeCheck(out.ghost, &kvr_GhostType)) {
-        PyErr_SetString(PyExc_TypeError,
-                        "evict_keys: key1 and index must be lists, more a dict, ghost a Ghost");
+    key1 = t->key1, index = t->index, more = t->more, out.ghost = args[4];
+    if (!PyObject_TypeCheck(out.ghost, &kvr_GhostType)) {
+        PyErr_SetString(PyExc_TypeError, "evict_keys: ghost must be a Ghost");
         return NULL;
     }
-    group_id = PyLong_AsLong(args[7]);
-    ref_count = PyLong_AsLong(args[8]);
-    if (PyErr_Occurred() || (rows = PyObject_IsTrue(args[10])) < 0)
+    group_id = PyLong_AsLong(args[2]);
+    ref_count = PyLong_AsLong(args[3]);
+    if (PyErr_Occurred() || (rows = PyObject_IsTrue(args[5])) < 0)
         return NULL;
     if (group_id < -128 || group_id > 127 || ref_count < INT32_MIN || ref_count > INT32_MAX) {
         PyErr_SetString(PyExc_OverflowError, "evict_keys: group_id or ref_count out of range");
         return NULL;
     }
-    if ((seq = PySequence_Fast(args[0], "evict_keys: blocks must be iterable")) == NULL)
+    if ((seq = PySequence_Fast(args[1], "evict_keys: blocks must be iterable")) == NULL)
         return NULL;
-    if (flat_open(args[2], 4, "evict_keys", &b1) < 0)
+    if (flat_open(t->b1, 4, "evict_keys", &b1) < 0)
         goto out;
-    if (flat_open(args[3], 1, "evict_keys", &group) < 0)
+    if (flat_open(t->group, 1, "evict_keys", &group) < 0)
         goto close_b1;
-    if (flat_open(args[4], 4, "evict_keys", &ref) < 0)
+    if (flat_open(t->ref, 4, "evict_keys", &ref) < 0)
         goto close_group;
     limit = PyList_GET_SIZE(key1);
     if (b1.len < limit)

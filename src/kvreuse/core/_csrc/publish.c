@@ -1,36 +1,43 @@
 /*
- * BlockPool.publish's per-entry loop (pool.py `_publish_each`) on the pool's own state: the
- * group's index (a dict), key1 (a list of bytes or None), b1 (array('i')), group (array('b'))
- * and the lower keys of large pages (a dict of lists). The ghost record, the counters and the
- * events stay with the caller, which gets the published boundaries and keys back.
+ * BlockPool's loops of publication and release (pool.py) on its own state, bound in a
+ * BlockTable (table.c): the contract of each is the docstring of the pool method it serves
+ * (`_publish_each`, `_release_each`), whose Python loop is the reference it is tested against.
+ * The ghost record, the counters, the events and the policy stay with the caller.
  */
 #include "kvr.h"
 
 PyObject *kvr_publish_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
-/* Move a block's inline key (b1, old) to its list of lower keys: `_attach`'s ascending case. */
-static int
-push_lower(PyObject *more, PyObject *blk, int32_t b1, PyObject *old)
+/* The list of lower keys of block `blk` in `more`, made empty if it has none (borrowed). */
+static PyObject *
+lower_keys(PyObject *more, PyObject *blk)
 {
-    PyObject *lower = PyDict_GetItemWithError(more, blk), *bo, *pair;
-    int rc;
-    if (lower == NULL) {
-        if (PyErr_Occurred() || (lower = PyList_New(0)) == NULL)
-            return -1;
-        rc = PyDict_SetItem(more, blk, lower);
-        Py_DECREF(lower); /* the dict holds it */
-        if (rc < 0)
-            return -1;
+    PyObject *lower = PyDict_GetItemWithError(more, blk);
+    if (lower != NULL || PyErr_Occurred())
+        return lower;
+    if ((lower = PyList_New(0)) == NULL)
+        return NULL;
+    if (PyDict_SetItem(more, blk, lower) < 0) {
+        Py_DECREF(lower);
+        return NULL;
     }
-    if ((bo = PyLong_FromLong(b1)) == NULL)
-        return -1;
-    pair = PyTuple_Pack(2, bo, old);
-    Py_DECREF(bo);
-    if (pair == NULL)
+    Py_DECREF(lower); /* the dict holds it */
+    return lower;
+}
+
+/* Add (bd, key) to block `blk`'s lower keys (ascending): `_attach`. `sort`: the key is below
+ * the block's highest and is sorted in; else it is the old highest key, moved down, and the
+ * largest of them (publication is ascending). */
+static int
+add_lower(PyObject *more, PyObject *blk, PyObject *bd, PyObject *key, int sort)
+{
+    PyObject *lower = lower_keys(more, blk), *pair;
+    int rc;
+    if (lower == NULL || (pair = PyTuple_Pack(2, bd, key)) == NULL)
         return -1;
     rc = PyList_Append(lower, pair);
     Py_DECREF(pair);
-    return rc;
+    return rc < 0 ? -1 : sort ? PyList_Sort(lower) : 0;
 }
 
 typedef struct {
@@ -40,8 +47,7 @@ typedef struct {
     int8_t group_id;
 } publication;
 
-/* One entry: 1 published, 0 skipped (NULL block or key present), 2 stop here (a key below the
- * block's highest: `_attach`'s sorting case, left to the Python loop), -1 error. */
+/* One entry: 1 published, 0 skipped (NULL block or key present), -1 error. */
 static int
 publish_one(publication *p, Py_ssize_t i)
 {
@@ -62,58 +68,65 @@ publish_one(publication *p, Py_ssize_t i)
         return -1;
     }
     old = PyList_GET_ITEM(p->key1, b);
-    if (old != Py_None && bd <= I32(p->b1)[b]) {
-        int present = PyDict_Contains(p->idx, key);
-        return present < 0 ? -1 : (present ? 0 : 2);
-    }
     size = PyDict_GET_SIZE(p->idx);
     if ((got = PyDict_SetDefault(p->idx, key, item)) == NULL)
         return -1;
     if (PyDict_GET_SIZE(p->idx) == size)
         return 0; /* the first publisher keeps the key */
-    if (old != Py_None && push_lower(p->more, item, I32(p->b1)[b], old) < 0)
-        return -1;
-    Py_INCREF(key);
-    PyList_SetItem(p->key1, b, key); /* releases the old inline key, kept in `more` if any */
-    I32(p->b1)[b] = (int32_t)bd;
+    if (old != Py_None && bd <= I32(p->b1)[b]) { /* below the block's highest key */
+        if (add_lower(p->more, item, bd_obj, key, 1) < 0)
+            return -1;
+    }
+    else {
+        if (old != Py_None) { /* the old highest key joins the lower ones */
+            PyObject *old_bd = PyLong_FromLong(I32(p->b1)[b]);
+            int rc = old_bd == NULL ? -1 : add_lower(p->more, item, old_bd, old, 0);
+            Py_XDECREF(old_bd);
+            if (rc < 0)
+                return -1;
+        }
+        Py_INCREF(key);
+        PyList_SetItem(p->key1, b, key); /* releases the old inline key, kept in `more` if any */
+        I32(p->b1)[b] = (int32_t)bd;
+    }
     I8(p->group)[b] = p->group_id;
     if (PyList_Append(p->done, bd_obj) < 0 || PyList_Append(p->fresh, key) < 0)
         return -1;
     return 1;
 }
 
-/* publish_keys(index, key1, b1, group, more, blocks, keys, boundaries, group_id)
- *   -> (done, fresh, stop):
- * `_publish_each` over entries [0, stop) (stop = len(blocks) unless an entry needs `_attach`'s
- * sorting case, which the caller continues in Python from there); `done` are the boundaries
- * published and `fresh` their keys, in entry order. The ghost and the counters are the caller's. */
+/* publish_keys(table, group_id, blocks, keys, boundaries) -> (done, fresh):
+ * `_publish_each`: `done` are the boundaries published and `fresh` their keys, in entry order.
+ * The ghost and the counters are the caller's. */
 PyObject *
 kvr_publish_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     publication p = {0};
     PyObject *ret = NULL;
+    kvr_table *t;
     Py_ssize_t i, n;
     long gid;
-    if (check_args(nargs, 9, "publish_keys") < 0)
+    if (check_args(nargs, 5, "publish_keys") < 0 ||
+        (t = kvr_table_arg(args[0], "publish_keys")) == NULL)
         return NULL;
-    p.idx = args[0];
-    p.key1 = args[1];
-    p.more = args[4];
-    if (!PyDict_Check(p.idx) || !PyList_Check(p.key1) || !PyDict_Check(p.more)) {
-        PyErr_SetString(PyExc_TypeError, "publish_keys: index and more must be dicts, key1 a list");
-        return NULL;
-    }
-    gid = PyLong_AsLong(args[8]);
+    gid = PyLong_AsLong(args[1]);
     if (gid == -1 && PyErr_Occurred())
         return NULL;
-    if (gid < 0 || gid > 127) {
+    if (gid < 0 || gid > 127 || gid >= PyList_GET_SIZE(t->index)) {
         PyErr_SetString(PyExc_OverflowError, "publish_keys: group_id out of range");
         return NULL;
     }
+    p.idx = PyList_GET_ITEM(t->index, gid);
+    p.key1 = t->key1;
+    p.more = t->more;
+    if (!PyDict_Check(p.idx)) {
+        PyErr_SetString(PyExc_TypeError, "publish_keys: the group's index must be a dict");
+        return NULL;
+    }
     p.group_id = (int8_t)gid;
-    p.blocks = PySequence_Fast(args[5], "publish_keys: blocks must be a sequence");
-    p.keys = p.blocks ? PySequence_Fast(args[6], "publish_keys: keys must be a sequence") : NULL;
-    p.bounds = p.keys ? PySequence_Fast(args[7], "publish_keys: boundaries must be a sequence")
+    p.blocks = PySequence_Fast(args[2], "publish_keys: blocks must be a sequence");
+    p.keys = p.blocks ? PySequence_Fast(args[3], "publish_keys: keys must be a sequence") : NULL;
+    p.bounds = p.keys ? PySequence_Fast(args[4], "publish_keys: boundaries must be a sequence")
                       : NULL;
     if (p.bounds == NULL)
         goto out;
@@ -123,9 +136,9 @@ kvr_publish_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                         "publish_keys: blocks, keys and boundaries differ in length");
         goto out;
     }
-    if (flat_open(args[2], 4, "publish_keys", &p.b1) < 0)
+    if (flat_open(t->b1, 4, "publish_keys", &p.b1) < 0)
         goto out;
-    if (flat_open(args[3], 1, "publish_keys", &p.group) < 0)
+    if (flat_open(t->group, 1, "publish_keys", &p.group) < 0)
         goto close_b1;
     p.limit = PyList_GET_SIZE(p.key1);
     if (p.b1.len < p.limit)
@@ -134,14 +147,10 @@ kvr_publish_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         p.limit = p.group.len;
     if ((p.done = PyList_New(0)) == NULL || (p.fresh = PyList_New(0)) == NULL)
         goto close;
-    for (i = 0; i < n; i++) {
-        int rc = publish_one(&p, i);
-        if (rc < 0)
+    for (i = 0; i < n; i++)
+        if (publish_one(&p, i) < 0)
             goto close;
-        if (rc == 2)
-            break;
-    }
-    ret = Py_BuildValue("(OOn)", p.done, p.fresh, i);
+    ret = PyTuple_Pack(2, p.done, p.fresh);
 close:
     PyBuffer_Release(&p.group.view);
 close_b1:
@@ -164,6 +173,7 @@ typedef struct {
     PyObject *item; /* the caller's id object, borrowed from `ordered` and reused */
 } zero_block;
 
+/* policy.batch_order, in C: decreasing highest boundary, then ascending group, then id */
 static inline int
 before(const zero_block *a, const zero_block *b)
 {
@@ -193,33 +203,31 @@ items_list(const zero_block *zb, Py_ssize_t n)
     return out;
 }
 
-/* release_refs(ref, ordered, key1, group, b1, multi_group) -> None | (unkeyed, keyed):
- * BlockPool.release's counting and `_queue`'s split and tail order (None when no block reached
- * 0). The tail order is checked before it is sorted: the keyed blocks of one table, released
- * in descending positions, usually come in it already. */
+/* release_refs(table, ordered) -> None | (unkeyed, keyed): `_release_each` (None when no
+ * block reached 0), the keyed run in policy.batch_order. That order is checked before it is
+ * sorted: the keyed blocks of one table, released in descending positions, usually come in it
+ * already. */
 PyObject *
 kvr_release_refs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     flat ref, group, b1;
-    PyObject *seq, *key1 = args[2], *unkeyed = NULL, *keyed = NULL, *ret = NULL;
+    PyObject *seq, *key1, *unkeyed = NULL, *keyed = NULL, *ret = NULL;
     zero_block *zb = NULL;
+    kvr_table *t;
     Py_ssize_t i, n, limit, nu = 0, nk = 0;
     int multi, sorted = 1;
-    if (check_args(nargs, 6, "release_refs") < 0)
+    if (check_args(nargs, 2, "release_refs") < 0 ||
+        (t = kvr_table_arg(args[0], "release_refs")) == NULL)
         return NULL;
-    if (!PyList_Check(key1)) {
-        PyErr_SetString(PyExc_TypeError, "release_refs: key1 must be a list");
-        return NULL;
-    }
-    if ((multi = PyObject_IsTrue(args[5])) < 0)
-        return NULL;
+    key1 = t->key1;
+    multi = PyList_GET_SIZE(t->index) > 1;
     if ((seq = PySequence_Fast(args[1], "release_refs: ordered must be iterable")) == NULL)
         return NULL;
-    if (flat_open(args[0], 4, "release_refs", &ref) < 0)
+    if (flat_open(t->ref, 4, "release_refs", &ref) < 0)
         goto out;
-    if (flat_open(args[3], 1, "release_refs", &group) < 0)
+    if (flat_open(t->group, 1, "release_refs", &group) < 0)
         goto close_ref;
-    if (flat_open(args[4], 4, "release_refs", &b1) < 0)
+    if (flat_open(t->b1, 4, "release_refs", &b1) < 0)
         goto close_group;
     limit = ref.len;
     if (group.len < limit)

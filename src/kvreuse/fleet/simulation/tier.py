@@ -25,13 +25,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvreuse.core import Geometry
+from kvreuse.core import Geometry, Stage
 
 
 class SharedTier:
     def __init__(self, geometry: Geometry, capacity_tokens: int) -> None:
         groups = geometry.cacheable
-        if len(groups) != 1 or groups[0].kind != "full":
+        if len(groups) != 1 or groups[0].stage is not Stage.FULL:
             raise ValueError(
                 "--shared-tier-capacity models a pool of attention KV: it needs a geometry whose "
                 "only prefix-cacheable group is full attention"

@@ -1,4 +1,4 @@
-"""Closed vocabularies shared by several core modules, so each is decided in one place.
+"""What an index entry proves: the closed vocabulary shared by the pool, the events and the metrics.
 
 `EntryKind` members are `str` subclasses: they compare, hash and format exactly like the plain
 strings ("full", "partial", "state") that metrics, events and exports have always used.
