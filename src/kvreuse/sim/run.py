@@ -40,6 +40,7 @@ class SimResult:
     summary: dict[str, Any]
     timeline: list[tuple[float, float, float]] = field(default_factory=list)  # t, usage, hit rate
     tally: Tally = field(default_factory=Tally)
+    num_fast_steps: int = 0  # steps the fast-forward took (the rest: Scheduler.step())
 
 
 class SimulationError(RuntimeError):
@@ -131,6 +132,7 @@ class _Run:
         self.finished: dict[int, tuple[Row, bool]] = {}  # by workload index, until their turn
         self.next_row = 0  # workload index of the next row for the sink
         self.clock, self.peak_used, self.num_prefill, self.num_deferred = 0.0, 0, 0, 0
+        self.num_fast_steps = 0
         self.timeline: list[tuple[float, float, float]] = []
 
     def loop(self, on_step: Callable[[int, int], None] | None, kept: list[Row]) -> SimResult:
@@ -169,6 +171,7 @@ class _Run:
             if st is None:
                 return
             self._account(st, start)
+            self.num_fast_steps += 1
             if on_step is not None:
                 on_step(self.tally.num_rows + len(self.finished), len(self.workload))
             if not sched.has_work():
@@ -238,7 +241,7 @@ class _Run:
             summary = _partial_summary(self)
         else:
             summary = _summary(self)
-        return SimResult(kept, summary, self.timeline, self.tally)
+        return SimResult(kept, summary, self.timeline, self.tally, self.num_fast_steps)
 
 
 def _summary(run: _Run) -> dict[str, Any]:
