@@ -235,6 +235,32 @@ class FastForward:
         self.step_index += 1
         return stats
 
+    def quiet_steps(self) -> int:
+        """How many of the next steps surely do nothing but decode (no event is due, no chunk
+        runs, nothing can be admitted): `skip` may take them at once."""
+        sched = self.sched
+        if self.prefilling or not self.num_decoding or not self.heap or not self.open:
+            return 0
+        cfg = sched.config
+        budget = cfg.max_num_batched_tokens - self.decode * self.num_decoding
+        if budget < 0 or (sched.waiting and budget > 0 and cfg.max_num_seqs > len(sched.running)):
+            return 0
+        return self.heap[0][0] - self.step_index
+
+    @property
+    def num_decode_tokens(self) -> int:
+        """The decode tokens of a quiet step (each decoding request's token and drafts)."""
+        return self.decode * self.num_decoding
+
+    def skip(self, num_steps: int) -> None:
+        """Take `num_steps` quiet steps (at most `quiet_steps()`): nothing but their count and
+        the engine's forward tokens changes; the caller advances its clock for each."""
+        if not 0 <= num_steps <= self.quiet_steps():
+            raise ValueError(f"skip: {num_steps} steps, but {self.quiet_steps()} are quiet")
+        self.script.record(self.num_decode_tokens * num_steps, 0, 0)
+        self.sched.num_steps += num_steps
+        self.step_index += num_steps
+
     def _due(self) -> list[_Lane]:
         """The decoding lanes with an event in this step, in rank order."""
         k, heap = self.step_index, self.heap

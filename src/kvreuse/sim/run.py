@@ -179,6 +179,36 @@ class _Run:
                 return
             feeder.release(self.clock)
             feeder.feed(sched, limit)
+            if fast.quiet_steps() > 0:
+                self._skip_quiet(fast)
+                feeder.release(self.clock)
+                feeder.feed(sched, limit)
+
+    def _skip_quiet(self, fast: FastForward) -> None:
+        """The quiet steps ahead at once, up to the one before which a request arrives: each
+        costs one decode step (no state saved, no chunk), leaves usage and hit rate as they
+        are, and adds its point to the timeline (the clock is added up step by step, as
+        `_account` does, so it is the same to the last bit)."""
+        num, nxt = fast.quiet_steps(), self.feeder.next_arrival()
+        dt = self.meter.step_time(0, fast.num_decode_tokens)  # also counts no save, no chunk
+        used = self.sched.num_usable_blocks - self.mgr.num_free_blocks
+        counters = self.mgr.counters
+        queries, hits = counters["prefix_cache_queries"], counters["prefix_cache_hits"]
+        point = (used / (self.mgr.config.num_blocks - 1), hits / queries if queries else 0.0)
+        clock, taken, add = self.clock, 0, self.timeline.append
+        while taken < num:
+            clock += dt
+            add((clock, *point))
+            taken += 1
+            if nxt is not None and clock >= nxt:
+                break  # released before the next step
+        self.clock = clock
+        self.peak_used = max(self.peak_used, used)
+        if self.on_events is not None:
+            for i in range(taken):
+                self.on_events(self.sched.num_steps + i, [])
+        fast.skip(taken)
+        self.num_fast_steps += taken
 
     def _account(self, st: StepStats, start: float) -> None:
         """A step just taken, started at `start`: the clock, timings, finished rows, peak."""
