@@ -16,12 +16,13 @@ cause, publications, window frees, releases) happens in the same order as step b
     request B     q     q     E     q     q     q
     core calls    -     -     B     -     A     -        B's plan covers j0 … j0+2, A's j0 … j0+4
 
-A step is an event of a request when the positions it touches, [T, T + 1 + s + 1] (s drafts,
-one position of margin), hold a *mark*: a multiple of the hash unit or of any group's page (pages
-are added, units published, rolling, dense and planned saves all sit on unit boundaries), a
-position where the chain completes a unit (T′ ≡ L − 1 mod u with L lookahead tokens, which moves
-what a commit publishes and keeps), or one where a sliding window drops a page (T′ ≡ W − 1 mod
-B); or when the request finishes in it (max_tokens, a stop token). Marks may flag steps that
+A step from T that computes [T, T + 1 + s) (s drafts) and commits T′ ≤ T + 1 + s is an event of
+its request when [T, T + 1 + s] holds a *mark*: a multiple of the hash unit or of any group's
+page (a page is added when the step's end passes one; units are published, and rolling, dense
+and planned saves sit, on unit boundaries), a position where the chain completes a unit
+(T′ ≡ L − 1 mod u with L lookahead tokens: on a hybrid it moves the held states, with L ≥ 2 what
+a commit publishes), or one where a sliding window drops a page (T′ ≡ W − 1 mod B); or when the
+request finishes in it (max_tokens, a stop token). Marks may flag steps that
 turn out quiet; that costs a plan, never a difference. With drafts, each step's acceptance is
 drawn from the engine's own generator for (request, position), the same draw the step-by-step
 engine makes, so the trajectory of T is known ahead.
@@ -74,8 +75,10 @@ class _Lane:
 def marks(geometry: Any) -> list[tuple[int, int]]:
     """(modulus, residue) of every position near which a decode step may do more than append
     its tokens (the module docstring)."""
-    u = geometry.hash_unit
-    out = {(u, 0), (u, (geometry.lookahead - 1) % u)}
+    u, lookahead = geometry.hash_unit, geometry.lookahead
+    out = {(u, 0)}
+    if geometry.recurrent or lookahead >= 2:  # else a unit completing changes nothing shared
+        out.add((u, (lookahead - 1) % u))
     for g in geometry.groups:
         out.add((g.page_size, 0))
         if g.kind == "sliding":
@@ -153,9 +156,9 @@ class FastForward:
             lane.path, lane.ahead = None, False
             lane.event, lane.t_event, lane.t_after = step, t, t + n
         elif d == 1 and not seq.stop_token_ids:
-            # one token a step: step i touches [t + i, t + i + 2]; the request finishes at the
+            # one token a step: step i touches [t + i, t + i + 1]; the request finishes at the
             # step that brings its output to max_tokens
-            i = min(max(0, self._next_mark(t) - 2 - t), seq.max_tokens - len(seq.output) - 1)
+            i = min(max(0, self._next_mark(t) - 1 - t), seq.max_tokens - len(seq.output) - 1)
             lane.path = None
             lane.event, lane.t_event, lane.t_after, lane.ahead = step + i, t + i, t + i + 1, False
         else:
@@ -175,7 +178,7 @@ class FastForward:
             done = n >= left
             if not done and stops:
                 done = any(x in stops for x in self.script.token_run(rid, t + 1, t + 1 + n))
-            if done or self._next_mark(t) <= t + d + 1:
+            if done or self._next_mark(t) <= t + d:
                 lane.event = lane.first + len(path) - 1
                 lane.t_event, lane.t_after, lane.ahead = t, t + n, False
                 return
