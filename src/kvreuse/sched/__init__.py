@@ -1,8 +1,10 @@
 """`kvreuse.sched`: a continuous-batching scheduler over the core, and scripted engines for
 simulation and tests."""
 
+from kvreuse.sched.advance import FastForward
 from kvreuse.sched.engine import (
     ContentTokens,
+    DecodeScript,
     FakeEngine,
     PositionalTokens,
     ReplayTokens,
@@ -14,8 +16,10 @@ from kvreuse.sched.scheduler import Engine, Scheduler, SchedulerConfig, Seq, Ste
 
 __all__ = [
     "ContentTokens",
+    "DecodeScript",
     "Engine",
     "FakeEngine",
+    "FastForward",
     "PositionalTokens",
     "ReplayTokens",
     "Scheduler",

@@ -13,6 +13,10 @@ Token sources (`TokenSource`: the token at `position` of a sequence):
 
 `FakeEngine` is the simulator's and the scheduler tests' engine: positional tokens, drafts
 accepted with a seeded rate, the save at T′ only.
+
+An engine whose tokens depend on nothing but (request, position) also offers its script
+(`decode_script()`): the same draws and tokens asked for directly, which is what lets the
+scheduler's fast-forward (`kvreuse.sched.advance`) advance a request over many steps at once.
 """
 
 from __future__ import annotations
@@ -45,12 +49,20 @@ def token_at(request_id: str, position: int, vocab: int = 32000) -> int:
 class PositionalTokens:
     """`token_at(request id, position)`: independent of the content, so cheap and reproducible."""
 
+    positional = True  # a pure function of (request id, position): `run` may be asked instead
+
     def __init__(self, vocab: int = 32000) -> None:
         self.vocab = vocab
 
     def __call__(self, seq: Seq, position: int, new: Sequence[int]) -> int:
         # token_at inlined: the simulator asks for one token per decode step
         return zlib.crc32(f"{seq.request_id}/{position}".encode()) % self.vocab
+
+    def run(self, request_id: str, start: int, stop: int) -> list[int]:
+        """The tokens at positions [start, stop): `token_at` of each, the CRC-32 of the id and
+        the slash computed once (CRC-32 continues from a running value)."""
+        head, vocab, crc32 = zlib.crc32(f"{request_id}/".encode()), self.vocab, zlib.crc32
+        return [crc32(b"%d" % p, head) % vocab for p in range(start, stop)]
 
 
 class ContentTokens:
@@ -133,7 +145,7 @@ class ScriptedEngine:
             elif end == num:
                 t_new, new = num, [tokens(seq, num, ())]
             else:  # decode with drafts: accept a prefix of them, then sample one more
-                t_new, new = num + self._accepted(rid, num, end - num), []
+                t_new, new = num + self.accepted(rid, num, end - num), []
                 for p in range(num, t_new + 1):
                     new.append(tokens(seq, p, new))
             if not plan.saves:
@@ -145,7 +157,10 @@ class ScriptedEngine:
             out.append((t_new, new, saved))
         return out
 
-    def _accepted(self, rid: str, num: int, drafts: int) -> int:
+    def accepted(self, rid: str, num: int, drafts: int) -> int:
+        """Drafts accepted by the step of request `rid` that starts with `num` known tokens and
+        verifies `drafts`: its own generator, seeded by (seed, request, num), so the draw is
+        the same whenever and in whatever order it is asked for."""
         if self.accept_rate == 0.0:
             return 0  # what the seeded draws would give, without drawing them
         rng = random.Random(f"{self.seed}/{rid}/{num}")
@@ -153,6 +168,41 @@ class ScriptedEngine:
         while accepted < drafts and rng.random() < self.accept_rate:
             accepted += 1
         return accepted
+
+    # ------------------------------------------------------------------ the decode script
+    def decode_script(self) -> ScriptedEngine | None:
+        """This engine as a `DecodeScript` when its tokens are a pure function of (request,
+        position), so a request's tokens over many steps can be asked for at once; else None."""
+        return self if getattr(self.tokens, "positional", False) else None
+
+    def token_run(self, request_id: str, start: int, stop: int) -> list[int]:
+        """The tokens this engine samples at positions [start, stop) of `request_id` (only
+        with positional tokens: see `decode_script`)."""
+        source: Any = self.tokens
+        tokens: list[int] = source.run(request_id, start, stop)
+        return tokens
+
+    def record(
+        self, num_forward_tokens: int, num_saved_states: int, num_prefill_chunks: int = 0
+    ) -> None:
+        """A step the fast-forward ran without calling the engine: count its forward tokens
+        (saved states and chunks are the cost meter's, when one wraps this engine)."""
+        self.num_forward_tokens += num_forward_tokens
+
+
+class DecodeScript(Protocol):
+    """What the fast-forward asks of an engine instead of running a step through it: the
+    draws and tokens the engine would produce (`ScriptedEngine` with positional tokens)."""
+
+    saves: SavePolicy
+
+    def accepted(self, rid: str, num: int, drafts: int) -> int: ...
+
+    def token_run(self, request_id: str, start: int, stop: int) -> list[int]: ...
+
+    def record(
+        self, num_forward_tokens: int, num_saved_states: int, num_prefill_chunks: int = 0
+    ) -> None: ...
 
 
 class FakeEngine(ScriptedEngine):

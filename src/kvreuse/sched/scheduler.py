@@ -173,6 +173,11 @@ class Scheduler:
         """A lower bound of the blocks a request must hold at once to compute `num_tokens`."""
         return sum(g.min_blocks_held(num_tokens) for g in self._groups)
 
+    @property
+    def num_usable_blocks(self) -> int:
+        """The pool's blocks a request can hold (the null block is never handed out)."""
+        return self._usable_blocks
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -180,7 +185,7 @@ class Scheduler:
     def step(self) -> StepStats:
         stats = StepStats(0, 0, 0, 0, [], [], [], [])
         budget = self._grow_running(stats, self.config.max_num_batched_tokens)
-        self._admit_waiting(stats, budget)
+        self.admit_waiting(stats, budget)
         stats.num_used_blocks = self._usable_blocks - self.mgr.num_free_blocks
         step = self.mgr.seal_step()
         stats.step_id = step.step_id
@@ -263,7 +268,8 @@ class Scheduler:
         seq.scheduled += num_new
         return True
 
-    def _admit_waiting(self, stats: StepStats, budget: int) -> None:
+    def admit_waiting(self, stats: StepStats, budget: int) -> None:
+        """Admit waiting requests, FCFS, within `budget` and the seats left (a step's last part)."""
         waiting = self.waiting
         skipped: list[Seq] = []  # deferred this step: they keep their place at the front
         # A deferred request keeps its seat in the batch: counting it against max_num_seqs
@@ -305,6 +311,10 @@ class Scheduler:
             self._count(stats, seq, res.hit, num_new)
             budget -= num_new
         waiting.extendleft(reversed(skipped))  # O(deferred), not O(queue)
+
+    def chunk_size(self, seq: Seq, budget: int) -> int:
+        """The prefill tokens a running request's next chunk takes within `budget` (> 0)."""
+        return self._num_new(seq, seq.scheduled, budget)
 
     def _num_new(self, seq: Seq, start: int, budget: int, lookup: Any = None) -> int:
         """Prefill tokens to schedule from `start`: the rest of the prompt (and of any re-computed
@@ -362,24 +372,33 @@ class Scheduler:
             ):
                 output.append(new_tokens[0])
                 continue
-            # Accepted drafts may run past max_tokens or a stop token: the core keeps them (their
-            # KV is valid), the output ends where the request does.
-            room = seq.max_tokens - len(seq.output)
-            new = new_tokens[:room]
-            if seq.stop_token_ids:
-                stop = next((i for i, t in enumerate(new) if t in seq.stop_token_ids), None)
-                if stop is not None:
-                    new, seq.finish_reason = new[: stop + 1], "stop"
-            seq.output.extend(new)
-            if seq.finish_reason is None and len(seq.output) >= seq.max_tokens:
-                seq.finish_reason = "length"
-            seq.finished = seq.finish_reason is not None
+            self.extend_output(seq, new_tokens)
+
+    def extend_output(self, seq: Seq, new_tokens: Sequence[int]) -> None:
+        """Append a step's new tokens to `seq.output`, up to where the request ends (max_tokens
+        or a stop token, kept), and mark it finished there."""
+        # Accepted drafts may run past max_tokens or a stop token: the core keeps them (their
+        # KV is valid), the output ends where the request does.
+        room = seq.max_tokens - len(seq.output)
+        new = new_tokens[:room]
+        if seq.stop_token_ids:
+            stop = next((i for i, t in enumerate(new) if t in seq.stop_token_ids), None)
+            if stop is not None:
+                new, seq.finish_reason = new[: stop + 1], "stop"
+        seq.output.extend(new)
+        if seq.finish_reason is None and len(seq.output) >= seq.max_tokens:
+            seq.finish_reason = "length"
+        seq.finished = seq.finish_reason is not None
 
     def _finish_done(self, stats: StepStats) -> None:
         for seq in [s for s in self.running if s.finished]:
-            seq.stats = self.mgr.finish(seq.request_id)
-            self._drop(seq)
-            stats.finished.append(seq.request_id)
+            self.finish_running(seq, stats)
+
+    def finish_running(self, seq: Seq, stats: StepStats) -> None:
+        """Release a running request that reached its end in this step (`seq.finished`)."""
+        seq.stats = self.mgr.finish(seq.request_id)
+        self._drop(seq)
+        stats.finished.append(seq.request_id)
 
     def _drop(self, seq: Seq) -> None:
         if seq.running:

@@ -108,6 +108,11 @@ def add_parser(sub: Any) -> None:
         f"else {DEFAULT_COST.decode_step_s:g})",
     )
     p.add_argument(
+        "--no-fast-forward",
+        action="store_true",
+        help="take every step through the scheduler (the reference path; same results, slower)",
+    )
+    p.add_argument(
         "--draft-accept-rate",
         type=number(0, 1),
         default=0.7,
@@ -203,7 +208,13 @@ def run(args: argparse.Namespace) -> int:
         try:
             with progress.phase("simulating", len(workload), "req") as on_step:
                 result = simulate(
-                    geo, workload, cost, on_step, args.draft_accept_rate, sink=_writer(rows)
+                    geo,
+                    workload,
+                    cost,
+                    on_step,
+                    args.draft_accept_rate,
+                    sink=_writer(rows),
+                    fast_forward=not args.no_fast_forward,
                 )
         except SimulationInterrupted as stop:
             return _interrupted(args, geo, stop.result)
@@ -234,7 +245,8 @@ def _finish(
         try:
             with progress.phase("comparing without deferral", len(workload), "req") as on_step:
                 rate = args.draft_accept_rate
-                s["without_deferral"] = without_deferral(geo, workload, cost, rate, on_step)
+                fast = not args.no_fast_forward
+                s["without_deferral"] = without_deferral(geo, workload, cost, rate, on_step, fast)
         except KeyboardInterrupt:
             stopped = "the comparison run without deferral"
     plots = not args.no_plots and stopped is None

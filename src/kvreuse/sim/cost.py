@@ -21,7 +21,7 @@ from typing import Any
 
 from kvreuse.core import KVCacheManager, Request, StepPlan
 from kvreuse.deployment import COST_LIMITS, Deployment, DeploymentSpec, cost_problem, resolve
-from kvreuse.sched import Engine, FakeEngine, Scheduler, Seq
+from kvreuse.sched import DecodeScript, Engine, FakeEngine, Scheduler, Seq
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +107,13 @@ class CostMeter:
         self._chunks += chunks
         return outcomes
 
+    def decode_script(self) -> _MeteredScript | None:
+        """The wrapped engine's decode script (`kvreuse.sched.engine`), counting what the
+        steps it stands for save, as `__call__` counts what a step run through it saves."""
+        inner = getattr(self.engine, "decode_script", None)
+        script = inner() if inner is not None else None
+        return None if script is None else _MeteredScript(script, self)
+
     def step_time(self, num_prefill: int, num_decode: int) -> float:
         saved, chunks = self._saved, self._chunks
         self._saved = self._chunks = 0
@@ -124,6 +131,23 @@ class CostMeter:
             "prefill_chunks": self.num_prefill_chunks,
             "prefill_seconds": round(self.prefill_seconds, 6),
         }
+
+
+class _MeteredScript:
+    """A decode script whose steps the meter counts (saved states, prefill chunks)."""
+
+    def __init__(self, script: DecodeScript, meter: CostMeter) -> None:
+        self.script, self.meter = script, meter
+        self.saves = script.saves
+        self.accepted = script.accepted
+        self.token_run = script.token_run
+
+    def record(
+        self, num_forward_tokens: int, num_saved_states: int, num_prefill_chunks: int = 0
+    ) -> None:
+        self.script.record(num_forward_tokens, num_saved_states, num_prefill_chunks)
+        self.meter._saved += num_saved_states
+        self.meter._chunks += num_prefill_chunks
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,11 @@ rate plus a fixed decode-step time), so arrivals interleave with the batch as th
 server, and TTFT estimates show what reuse saves. A request joins the scheduler when it has
 arrived, every request it depends on (`after`, `history`) has finished and the scheduler's
 queue has room (`kvreuse.sim.feed`); its row leaves as soon as it finishes (`kvreuse.sim.tally`).
+
+Stretches of decode steps in which nothing a decision reads can change are taken by the
+scheduler's fast-forward (`kvreuse.sched.advance`), which calls the core only at the steps where
+something happens; `fast_forward=False` steps every step through `Scheduler.step()`, the
+reference both paths are tested equal to (rows, summary, timeline and KV events).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Any
 
 from kvreuse.core import KVCacheManager
 from kvreuse.deployment import Deployment
-from kvreuse.sched import FakeEngine, Scheduler, Seq
+from kvreuse.sched import FakeEngine, FastForward, Scheduler, Seq, StepStats
 from kvreuse.sim.cost import CostMeter, CostModel
 from kvreuse.sim.feed import Feeder
 from kvreuse.sim.tally import Tally
@@ -35,6 +40,7 @@ class SimResult:
     summary: dict[str, Any]
     timeline: list[tuple[float, float, float]] = field(default_factory=list)  # t, usage, hit rate
     tally: Tally = field(default_factory=Tally)
+    num_fast_steps: int = 0  # steps the fast-forward took (the rest: Scheduler.step())
 
 
 class SimulationError(RuntimeError):
@@ -74,17 +80,23 @@ def simulate(
     on_step: Callable[[int, int], None] | None = None,
     draft_accept_rate: float = 0.7,
     sink: Callable[[Row], None] | None = None,
+    fast_forward: bool = True,
+    on_events: Callable[[int, list[Any]], None] | None = None,
 ) -> SimResult:
     """Replay `workload` on `geo`. With `num_spec_tokens` > 0 in the geometry, each draft is
     accepted with probability `draft_accept_rate` (seeded: runs are reproducible).
 
     Each request's row goes to `sink` as soon as it and every request before it in the
-    workload have finished; without a sink the rows are kept in `SimResult.requests`."""
+    workload have finished; without a sink the rows are kept in `SimResult.requests`.
+    `fast_forward=False` takes every step through the scheduler's own step (the reference;
+    the results are the same). `on_events(step, events)`, when given, turns the core's KV
+    event log on and receives the events of each step as it ends (the step's number from 0)."""
     engine = FakeEngine(accept_rate=draft_accept_rate)
     kept: list[Row] = []
     with _cyclic_gc_paused():
         out = kept.append if sink is None else sink
-        run = _Run(geo, workload, cost or CostModel.for_deployment(geo), engine, out)
+        model = cost or CostModel.for_deployment(geo)
+        run = _Run(geo, workload, model, engine, out, fast_forward, on_events)
         try:
             return run.loop(on_step, kept)
         except KeyboardInterrupt:
@@ -101,12 +113,17 @@ class _Run:
         cost: CostModel,
         engine: FakeEngine,
         sink: Callable[[Row], None],
+        fast_forward: bool = True,
+        on_events: Callable[[int, list[Any]], None] | None = None,
     ) -> None:
-        # Nobody drains events in a simulation; recording them would keep every finished
-        # request's tokens alive until the event queue's bound.
-        self.mgr = KVCacheManager(replace(geo.cache, enable_events=False))
+        # Nobody drains events in a simulation unless asked to; recording them would keep
+        # every finished request's tokens alive until the event queue's bound.
+        self.mgr = KVCacheManager(replace(geo.cache, enable_events=on_events is not None))
+        self.on_events = on_events
         self.meter = CostMeter(engine, cost)
         self.sched = Scheduler(self.mgr, self.meter, geo.sched)
+        script = self.meter.decode_script() if fast_forward else None
+        self.fast = None if script is None else FastForward(self.sched, script)
         self.feeder = Feeder(workload, geo.max_model_len)
         self.workload, self.cost, self.sink = workload, cost, sink
         self.tally = Tally()
@@ -115,6 +132,7 @@ class _Run:
         self.finished: dict[int, tuple[Row, bool]] = {}  # by workload index, until their turn
         self.next_row = 0  # workload index of the next row for the sink
         self.clock, self.peak_used, self.num_prefill, self.num_deferred = 0.0, 0, 0, 0
+        self.num_fast_steps = 0
         self.timeline: list[tuple[float, float, float]] = []
 
     def loop(self, on_step: Callable[[int, int], None] | None, kept: list[Row]) -> SimResult:
@@ -129,14 +147,74 @@ class _Run:
                     raise SimulationError(f"{left} requests wait on requests that never finish")
                 self.clock = max(self.clock, nxt)
                 continue
-            self._step()
+            if self.fast is not None and self.fast.begin():
+                self._fast_forward(self.fast, on_step)
+                if not sched.has_work():
+                    continue
+                # else handed back (all up to date) at a step that needs the scheduler's own
+                # path, with this step's arrivals already released and fed
+            start = self.clock
+            self._account(sched.step(), start)
             if on_step is not None:
                 on_step(self.tally.num_rows + len(self.finished), len(self.workload))
         return self.result(kept, interrupted=False)
 
-    def _step(self) -> None:
-        sched, mgr, start = self.sched, self.mgr, self.clock
-        st = sched.step()
+    def _fast_forward(self, fast: FastForward, on_step: Callable[[int, int], None] | None) -> None:
+        """Steps through the fast-forward while the loop above would only step: between two
+        of them it releases and feeds arrivals as the loop does, and hands back (everything
+        up to date) when nothing is left to run or the next step needs the scheduler's own
+        path (it could admit, or preempt)."""
+        sched, feeder, limit = self.sched, self.feeder, self.sched.config.max_num_seqs
+        while True:
+            start = self.clock
+            st = fast.step()
+            if st is None:
+                return
+            self._account(st, start)
+            self.num_fast_steps += 1
+            if on_step is not None:
+                on_step(self.tally.num_rows + len(self.finished), len(self.workload))
+            if not sched.has_work():
+                fast.close()
+                return
+            feeder.release(self.clock)
+            feeder.feed(sched, limit)
+            if fast.quiet_steps() > 0:
+                self._skip_quiet(fast)
+                feeder.release(self.clock)
+                feeder.feed(sched, limit)
+
+    def _skip_quiet(self, fast: FastForward) -> None:
+        """The quiet steps ahead at once, up to the one before which a request arrives: each
+        costs one decode step (no state saved, no chunk), leaves usage and hit rate as they
+        are, and adds its point to the timeline (the clock is added up step by step, as
+        `_account` does, so it is the same to the last bit)."""
+        num, nxt = fast.quiet_steps(), self.feeder.next_arrival()
+        dt = self.meter.step_time(0, fast.num_decode_tokens)  # also counts no save, no chunk
+        used = self.sched.num_usable_blocks - self.mgr.num_free_blocks
+        counters = self.mgr.counters
+        queries, hits = counters["prefix_cache_queries"], counters["prefix_cache_hits"]
+        point = (used / (self.mgr.config.num_blocks - 1), hits / queries if queries else 0.0)
+        clock, taken, add = self.clock, 0, self.timeline.append
+        while taken < num:
+            clock += dt
+            add((clock, *point))
+            taken += 1
+            if nxt is not None and clock >= nxt:
+                break  # released before the next step
+        self.clock = clock
+        self.peak_used = max(self.peak_used, used)
+        if self.on_events is not None:
+            for i in range(taken):
+                self.on_events(self.sched.num_steps + i, [])
+        fast.skip(taken)
+        self.num_fast_steps += taken
+
+    def _account(self, st: StepStats, start: float) -> None:
+        """A step just taken, started at `start`: the clock, timings, finished rows, peak."""
+        sched, mgr = self.sched, self.mgr
+        if self.on_events is not None:
+            self.on_events(sched.num_steps - 1, mgr.take_events())
         self.clock += self.meter.step_time(st.num_prefill_tokens, st.num_decode_tokens)
         self.num_prefill += st.num_prefill_tokens
         self.num_deferred += len(st.deferred)
@@ -193,7 +271,7 @@ class _Run:
             summary = _partial_summary(self)
         else:
             summary = _summary(self)
-        return SimResult(kept, summary, self.timeline, self.tally)
+        return SimResult(kept, summary, self.timeline, self.tally, self.num_fast_steps)
 
 
 def _summary(run: _Run) -> dict[str, Any]:
@@ -257,10 +335,13 @@ def without_deferral(
     cost: CostModel | None = None,
     draft_accept_rate: float = 0.7,
     on_step: Callable[[int, int], None] | None = None,
+    fast_forward: bool = True,
 ) -> dict[str, Any]:
     """The same run with in-batch deferral off: what waiting for a shared prefix saved."""
     off = replace(geo, sched=replace(geo.sched, defer_shared_prefix=False))
-    s = simulate(off, workload, cost, on_step, draft_accept_rate, sink=_discard).summary
+    s = simulate(
+        off, workload, cost, on_step, draft_accept_rate, sink=_discard, fast_forward=fast_forward
+    ).summary
     keys = ("prefill_tokens_computed", "hits", "hit_rate", "simulated_seconds", "steps")
     return {k: s[k] for k in keys}
 
