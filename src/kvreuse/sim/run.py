@@ -261,7 +261,15 @@ def without_deferral(
     """The same run with in-batch deferral off: what waiting for a shared prefix saved."""
     off = replace(geo, sched=replace(geo.sched, defer_shared_prefix=False))
     s = simulate(off, workload, cost, on_step, draft_accept_rate, sink=_discard).summary
-    keys = ("prefill_tokens_computed", "hits", "hit_rate", "simulated_seconds", "steps")
+    keys = (
+        "prefill_tokens_computed",
+        "hits",
+        "hit_rate",
+        "simulated_seconds",
+        "steps",
+        "preemptions",
+        "evicted_blocks",
+    )
     return {k: s[k] for k in keys}
 
 
