@@ -35,6 +35,7 @@ class SimResult:
     summary: dict[str, Any]
     timeline: list[tuple[float, float, float]] = field(default_factory=list)  # t, usage, hit rate
     tally: Tally = field(default_factory=Tally)
+    evicted: list[int] = field(default_factory=list)  # per timeline step: blocks evicted so far
 
 
 class SimulationError(RuntimeError):
@@ -116,6 +117,7 @@ class _Run:
         self.next_row = 0  # workload index of the next row for the sink
         self.clock, self.peak_used, self.num_prefill, self.num_deferred = 0.0, 0, 0, 0
         self.timeline: list[tuple[float, float, float]] = []
+        self.evicted: list[int] = []  # the pool's evictions so far, per step (for the plot)
 
     def loop(self, on_step: Callable[[int, int], None] | None, kept: list[Row]) -> SimResult:
         sched, feeder, limit = self.sched, self.feeder, self.sched.config.max_num_seqs
@@ -154,6 +156,7 @@ class _Run:
         hits = mgr.counters["prefix_cache_hits"]
         usage = st.num_used_blocks / (mgr.config.num_blocks - 1)
         self.timeline.append((self.clock, usage, hits / queries if queries else 0.0))
+        self.evicted.append(mgr.pool.num_evicted_blocks)
 
     def _finish(self, seq: Seq) -> None:
         rid = seq.request_id
@@ -193,7 +196,7 @@ class _Run:
             summary = _partial_summary(self)
         else:
             summary = _summary(self)
-        return SimResult(kept, summary, self.timeline, self.tally)
+        return SimResult(kept, summary, self.timeline, self.tally, self.evicted)
 
 
 def _summary(run: _Run) -> dict[str, Any]:
