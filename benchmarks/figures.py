@@ -180,14 +180,14 @@ def _sim_memory() -> tuple[str, dict[str, Any]]:
 def _qualify() -> tuple[str, dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         out = run(
-            [sys.executable, "-m", "kvreuse", "qualify", "--out", tmp, "--quiet"],
+            [sys.executable, "-m", "kvreuse", "qualify", "--out", "qualify-out"],
             env={"COLUMNS": "100"},
+            cwd=Path(tmp),
         )
-        report = json.loads((Path(tmp) / "qualify.json").read_text())
+        report = json.loads((Path(tmp) / "qualify-out" / "qualify.json").read_text())
     shown = "$ kvreuse qualify --out qualify-out            # per-scenario progress goes to stderr"
     lines = [line.rstrip() for line in out.rstrip("\n").splitlines()]
-    values = {"transcript": "\n".join([shown, *lines]) + "\n"}
-    values["wall_s"] = report.get("wall_s", report.get("seconds"))
+    values = {"transcript": "\n".join([shown, *lines]) + "\n", "seconds": report["seconds"]}
     return "kvreuse qualify --out qualify-out (COLUMNS=100)", values
 
 
@@ -330,7 +330,19 @@ def _fleet_load_weight(saved: str | None = None) -> tuple[str, dict[str, Any]]:
     return command, values
 
 
+def _events(saved: str | None = None) -> tuple[str, dict[str, Any]]:
+    command = "benchmarks/events_bench.py --repeat 5"
+    values = json_lines(_saved(saved, command), ("geometry", "publisher"))
+    for geometry in ("attention-16", "hybrid-dcp4"):  # the core's own event building
+        take = values.get(f"{geometry}.take.request_cycle_cpu_us")
+        off = values.get(f"{geometry}.off.request_cycle_cpu_us")
+        if take is not None and off is not None:
+            values[f"{geometry}.take_minus_off_cpu_us"] = round(take - off, 2)
+    return command, values
+
+
 RECIPES: dict[str, Callable[..., tuple[str, dict[str, Any]]]] = {
+    "events": _events,
     "fleet_load_weight": _fleet_load_weight,
     "trace_conversation_all": _trace("conversation_trace", None),
     "trace_conversation_50m": _trace("conversation_trace", "50000000"),
