@@ -1,5 +1,5 @@
-"""Command line: `kvreuse demo | workload | simulate | geometry | serve | qualify` (also
-`python -m kvreuse`).
+"""Command line: `kvreuse demo | workload | simulate | sweep | geometry | serve | qualify |
+fleet | route` (also `python -m kvreuse`).
 
 The demo runs a cold request and an identical warm resend on the groups of the `hybrid-dcp4`
 preset (full attention, local block 2048 × dcp 4 = 8192-token pages, a 256-token recurrent
@@ -20,7 +20,7 @@ from typing import NoReturn
 from kvreuse.core import CacheConfig, KVCacheManager, Request
 from kvreuse.deployment import GeometryError, check_num_blocks, resolve
 from kvreuse.geometry_cli import add_geometry
-from kvreuse.sim.workload_cli import int_list, int_range
+from kvreuse.sim.args import Help, size, size_list
 
 
 def demo_config(num_blocks: int = 4096) -> CacheConfig:
@@ -167,7 +167,14 @@ def _host(host: str) -> str:
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     from kvreuse.serve.options import add_arguments
 
-    p = sub.add_parser("serve", help="OpenAI-compatible server with exact cached-token usage")
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible server with exact cached-token usage",
+        description="Serve the reference engine (or a fake model) behind an OpenAI-compatible "
+        "API whose usage reports the exact cached tokens, with Prometheus metrics and, "
+        "optionally, KV events for routers.",
+        formatter_class=Help,
+    )
     add_arguments(p)
     p.set_defaults(func=_cmd_serve)
 
@@ -180,7 +187,7 @@ def _cmd_qualify(args: argparse.Namespace) -> int:
 
 def _num_blocks(text: str) -> int:
     """--num-blocks: an integer ≥ 2 whose pool fits a machine (one usage line otherwise)."""
-    value = int_range(2, 2**63 - 1)(text)  # the null block and at least one more
+    value = size(2, 2**63 - 1)(text)  # the null block and at least one more
     try:
         check_num_blocks(value, "--num-blocks")
     except GeometryError as exc:
@@ -194,7 +201,7 @@ def _add_qualify(sub: argparse._SubParsersAction) -> None:
         help="check a server's cached tokens against the spec",
         description="Check every cached_tokens a server reports against the spec's rules. "
         "Exit codes: 0 passed, 1 failed, 2 usage error or no server to check, 130 Ctrl-C.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=Help,
     )
     p.add_argument("--url", default=None, help="server to check (default: start one in-process)")
     p.add_argument("--out", default="qualify-out", help="directory for qualify.json / .md")
@@ -210,7 +217,7 @@ def _add_qualify(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--max-fill-tokens",
-        type=int_range(0, 2**63 - 1),
+        type=size(0, 2**63 - 1),
         default=None,
         help="token budget of scenario (e); larger caches are skipped "
         "(default: 60,000, 12,000 with --quick)",
@@ -228,19 +235,27 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="kvreuse", description=__doc__.splitlines()[0])
+    parser = Parser(
+        prog="kvreuse",
+        description="Exact prefix-cache reuse for LLM serving: simulate a deployment, serve "
+        "the reference model, route a fleet, qualify a server. `kvreuse COMMAND --help` "
+        "describes each command.",
+    )
     parser.add_argument("--version", action="version", version=f"kvreuse {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
         help="cold request + identical resend on a DCP4 hybrid",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="A cold request and its identical resend on the cache manager alone, with "
+        "the hybrid-dcp4 groups: the tokens reused, the reason, copies and checkpoints, and "
+        "the lookup's explanation.",
+        formatter_class=Help,
     )
     demo.add_argument(
         "--lengths",
-        type=int_list(DEMO_MAX_LENGTH),
+        type=size_list(1, DEMO_MAX_LENGTH),
         default="2048,2049",
-        help="comma-separated prompt lengths",
+        help="comma-separated prompt lengths in tokens",
     )
     demo.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     demo.add_argument("--json", action="store_true", help="one JSON object per request")

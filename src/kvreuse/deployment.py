@@ -369,8 +369,8 @@ def resolve(spec: DeploymentSpec) -> Deployment:
     if isinstance(spec, str):
         if spec not in PRESETS:
             raise GeometryError(
-                f"unknown geometry {spec!r}: give a preset ({', '.join(sorted(PRESETS))}), "
-                "a path to a .toml geometry file, or a Deployment"
+                f"unknown geometry {spec!r}: give a preset ({', '.join(sorted(PRESETS))}) "
+                "or a path to a .toml geometry file"
             )
         return preset(spec)
     raise GeometryError(

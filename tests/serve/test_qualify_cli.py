@@ -25,7 +25,7 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
     [
         (("--url", "http://127.0.0.1:9"), "--url http://127.0.0.1:9: cannot connect"),
         (("--fake", "--geometry", "nope"), "unknown geometry 'nope'"),
-        (("--num-blocks", "1"), "argument --num-blocks: must be an integer in 2"),
+        (("--num-blocks", "1"), "argument --num-blocks: must be a whole number in 2"),
         (("--num-blocks", "1000000000"), "about 177.0 GB"),
     ],
 )

@@ -167,7 +167,7 @@ def test_a_core_only_install_runs_demo_and_workload_and_names_the_extra_of_the_r
 
 def test_bad_option_values_are_one_usage_line() -> None:
     for args, fragment in [
-        (("demo", "--lengths", "abc"), "argument --lengths: must be comma-separated integers"),
+        (("demo", "--lengths", "abc"), "argument --lengths: comma-separated sizes: must be"),
         (("demo", "--lengths", "100000000000"), "in 1 … 1,048,576"),
         (("workload", "agent", "--turns", "0"), "argument --turns: must be an integer in 1"),
         (("workload", "pressure", "--geometry", "nope"), "unknown geometry 'nope'"),

@@ -2,7 +2,7 @@
 
 Random workloads (arrivals, shared prefixes, multi-turn histories, dependencies, pools small
 enough to evict and preempt, speculative decoding with random acceptance) run on every preset
-family, both paths; the rows, the summary, the timeline and the KV events of every step must be
+family, both paths; the rows, the summary, the timeline (with its evictions) and the KV events of every step must be
 identical, and the fast path must draw the same acceptance numbers, request by request in the
 same order. Examples follow the Hypothesis profile (tests/conftest.py: `ci` 500, `slow` 5,000,
 `dev` 50).
@@ -197,6 +197,7 @@ def assert_same(dep: Deployment, lines: list[str], cost: CostModel, rate: float)
     assert fast.requests == ref.requests
     assert fast.summary == ref.summary
     assert fast.timeline == ref.timeline
+    assert fast.evicted == ref.evicted and len(fast.evicted) == len(fast.timeline)
     assert fast_events == ref_events
     # A draw is keyed by (seed, request, position): the fast path makes every draw the reference
     # makes, with the same result, and for a request that ran straight through (no preemption,

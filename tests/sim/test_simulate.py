@@ -165,10 +165,14 @@ def test_a_prompt_larger_than_the_cache_is_named_not_a_reconciliation_failure(
     out = tmp_path / "o"
     assert main(["simulate", str(geo), str(wl), "--out", str(out), "--quiet", "--no-plots"]) == 1
     err = capsys.readouterr().err.splitlines()
-    # 63 usable blocks of 16 tokens: the longest request that fits holds 63 · 16 tokens
+    # 63 usable blocks of 16 tokens: the longest request that fits holds 63 · 16 tokens. The
+    # pool is the file's own choice, so the run goes on after saying so (a preset's is refused)
     assert err == [
+        f"kvreuse simulate: 2 of 3 requests can never fit {geo}'s pool (64 blocks, 1,008 tokens) "
+        "and would be refused; the largest, after, computes 20,001 tokens: --capacity-tokens "
+        "20.1K fits every request (inf: a pool that never evicts)",
         "kvreuse simulate: 2 requests exceed the cache (capacity 1,008 tokens): big, after; "
-        "raise num_blocks or shorten them"
+        "raise num_blocks or shorten them",
     ]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["reconciled"] and summary["too_large"] == {"count": 2, "ids": ["big", "after"]}
@@ -289,7 +293,7 @@ def test_the_summary_table_has_a_row_per_kind_not_per_request(tmp_path) -> None:
     res = simulate(preset("attention-16"), load(shared_prefix(64, 16, 300)))
     table = summary_table("attention-16", res, Path("o")).splitlines()
     assert [line.split()[:2] for line in table[1:2]] == [["p*", "300"]]
-    assert len(table) == 6
+    assert len(table) == 7  # kinds, note, blank, hit rate, pool, reconciliation
     many = [
         {"id": f"{chr(97 + i)}{chr(97 + i)}-1", "prompt": {"tokens": [1, 2]}, "max_tokens": 1}
         for i in range(26)

@@ -9,6 +9,7 @@ import argparse
 
 from kvreuse.events.options import add_arguments as add_kv_events
 from kvreuse.serve.ops_options import add_arguments as add_operator_options
+from kvreuse.sim.args import size
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,7 +18,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--geometry", default=None, help="geometry preset name or TOML file")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
-    p.add_argument("--num-blocks", type=int, default=None, help="override the cache size")
+    p.add_argument(
+        "--num-blocks",
+        type=size(2, 2**40),
+        default=None,
+        help="the cache's pool in blocks (default: the geometry's)",
+    )
     p.add_argument("--max-pending", type=int, default=256, help="requests in flight before 429")
     p.add_argument("--fake", action="store_true", help="deterministic fake model (no torch)")
     p.add_argument(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Iterable
@@ -27,6 +28,8 @@ from kvreuse.deployment import (
     preset,
     resolve,
 )
+from kvreuse.sim.args import Help, number, size
+from kvreuse.sim.fit import check_fit, never_evicting_blocks
 from kvreuse.sim.progress import Progress
 from kvreuse.sim.report import PLOTS, summary_table, write_report
 from kvreuse.sim.run import (
@@ -38,26 +41,21 @@ from kvreuse.sim.run import (
     without_deferral,
 )
 from kvreuse.sim.workload import WorkloadError, WorkloadRequest, read_workload
-from kvreuse.sim.workload_cli import int_range, number
 
 DEFAULT_COST = CostModel()
 OUTPUTS = ("requests.jsonl", "summary.json", "report.md", *(f for f, _ in PLOTS))
 INTERRUPTED = 130  # the shell's code for a command stopped by Ctrl-C (128 + SIGINT)
 
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Defaults in the help, except None: such an option's help says what not giving it does."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        return action.help if action.default is None else super()._get_help_string(action)
-
-
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "simulate",
         help="replay a workload on a cache geometry",
-        description=__doc__.splitlines()[0],
-        formatter_class=_Help,
+        description="Replay a workload through the scheduler and the cache manager on a cache "
+        "geometry (a preset or a TOML file); print a summary and write requests.jsonl, "
+        "summary.json, report.md and plots to --out. Exit codes: 0 done and reconciled; 1 a "
+        "reconciliation check failed or requests exceed the cache; 2 bad input; 130 Ctrl-C.",
+        formatter_class=Help,
     )
     p.add_argument(
         "files",
@@ -75,15 +73,18 @@ def add_parser(sub: Any) -> None:
     pool = p.add_mutually_exclusive_group()
     pool.add_argument(
         "--num-blocks",
-        type=int_range(2, 2**63 - 1),
+        type=size(2, 2**63 - 1),
         default=None,
-        help="the pool, in blocks, the null block included (None: the geometry's)",
+        metavar="N",
+        help="the pool, in blocks, the null block included (default: the geometry's)",
     )
     pool.add_argument(
         "--capacity-tokens",
-        type=int_range(1, 2**63 - 1),
+        type=size(1, 2**63 - 1, unlimited=True),
         default=None,
-        help="the pool: as many blocks as one request of N tokens needs (None: the geometry's)",
+        metavar="N",
+        help="the pool: as many blocks as one request of N tokens needs (3M, 1.5G; inf: "
+        "a pool that never evicts; default: the geometry's)",
     )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bars on stderr")
@@ -138,6 +139,9 @@ def read_inputs(args: argparse.Namespace) -> tuple[Deployment, list[WorkloadRequ
             raise GeometryError("give GEOMETRY.toml and WORKLOAD.jsonl (or --geometry NAME)")
         geo, wl_path = resolve(Path(args.files[0])), Path(args.files[1])
     workload = read_workload(wl_path)
+    if args.capacity_tokens == math.inf:
+        geo = with_pool(geo, never_evicting_blocks(geo, workload), None)
+        return geo, workload
     return with_pool(geo, args.num_blocks, args.capacity_tokens), workload
 
 
@@ -153,6 +157,20 @@ def with_pool(geo: Deployment, num_blocks: int | None, capacity_tokens: int | No
         because = ""
     check_num_blocks(num_blocks, "--num-blocks" if not because else "--capacity-tokens", because)
     return replace(geo, cache=replace(geo.cache, num_blocks=num_blocks))
+
+
+def check_fit_first(
+    args: argparse.Namespace, geo: Deployment, workload: list[WorkloadRequest], prog: str
+) -> None:
+    """Requests the pool can never hold, said before the run: on a preset's own pool (no
+    --num-blocks or --capacity-tokens) a GeometryError naming the capacity that fits them, on
+    a pool the user chose one line on stderr, and the run goes on (and exits 1)."""
+    fit = check_fit(geo, workload)
+    if not fit.num_too_large:
+        return
+    if args.preset and args.num_blocks is None and args.capacity_tokens is None:
+        raise GeometryError(fit.message(geo))
+    print(f"{prog}: {fit.message(geo)}", file=sys.stderr)
 
 
 def _require_matplotlib() -> None:
@@ -200,10 +218,11 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_plots:
             _require_matplotlib()
         prepare_out(args.out)
+        check_fit_first(args, geo, workload, "kvreuse simulate")
     except (GeometryError, WorkloadError, ConfigError, OSError, ValueError) as exc:
         return _fail(exc)
     clear_outputs(args.out)
-    progress = Progress(not args.quiet and sys.stderr.isatty())
+    progress = Progress(not args.quiet, "kvreuse simulate")
     with (args.out / "requests.jsonl").open("w", encoding="utf-8") as rows:
         try:
             with progress.phase("simulating", len(workload), "req") as on_step:

@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kvreuse.sim.args import percent, plural
 from kvreuse.sim.run import SimResult
-from kvreuse.sim.tally import REPORT_ROWS, KindTotals
+from kvreuse.sim.tally import REPORT_ROWS, KindTotals, Tally
 
 PLOTS = (
     ("cached_vs_prompt.png", "cached vs prompt tokens"),
@@ -20,18 +21,23 @@ def _seconds(total: float, kind: KindTotals) -> str:
 
 
 def kinds_table(result: SimResult) -> list[str]:
-    """One row per request kind: counts, reuse, and the two time estimates."""
+    """One row per request kind: counts, reuse, and the two time estimates. Prompt tokens and
+    reuse count the admitted requests, as the totals' hit rate does; `refused` the others."""
     kinds = result.tally.kinds
     width = max(12, *(len(k) for k in kinds)) if kinds else 12
+    refused = any(k.num_refused for k in kinds.values())
     lines = [
-        f"{'requests':<{width}} {'n':>7} {'prompt tok':>12} {'cached tok':>12} {'reuse':>6} "
-        f"{'queue (s)':>10} {'TTFT (s)':>9}"
+        f"{'requests':<{width}} {'n':>7} "
+        + (f"{'refused':>7} " if refused else "")
+        + f"{'prompt tok':>12} {'cached tok':>12} {'reuse':>7} {'queue (s)':>10} {'TTFT (s)':>9}"
     ]
     for key, k in kinds.items():
-        reuse = k.cached_tokens / k.prompt_tokens if k.prompt_tokens else 0
         lines.append(
-            f"{key:<{width}} {k.num_requests:>7,} {k.prompt_tokens:>12,} {k.cached_tokens:>12,} "
-            f"{reuse:>6.1%} {_seconds(k.queue_s, k):>10} {_seconds(k.ttft_s, k):>9}"
+            f"{key:<{width}} {k.num_requests:>7,} "
+            + (f"{k.num_refused:>7,} " if refused else "")
+            + f"{k.prompt_tokens:>12,} {k.cached_tokens:>12,} "
+            f"{percent(k.cached_tokens, k.prompt_tokens):>7} {_seconds(k.queue_s, k):>10} "
+            f"{_seconds(k.ttft_s, k):>9}"
         )
     return lines
 
@@ -41,24 +47,38 @@ def summary_table(name: str, result: SimResult, out: Path) -> str:
     s = result.summary
     lines = [
         *kinds_table(result),
-        "(means of cost-model estimates: queue = arrival → first step; TTFT = arrival → first "
-        "token)",
+        "(prompt tok and reuse: admitted requests; means of cost-model estimates: queue = "
+        "arrival → first step; TTFT = arrival → first token)",
         "",
-        f"{name}: {s['requests']:,} requests, {s['hits']:,} of {s['queries']:,} prompt tokens "
-        f"reused ({s['hit_rate']:.1%}); {s['preemptions']:,} preemptions, "
-        f"{s['evicted_blocks']:,} evicted blocks, peak usage {s['peak_usage']:.1%}",
+        f"{name}: {plural(s['requests'], 'request')}; {result.tally.hit_rate_line()}",
+        f"{plural(s['preemptions'], 'preemption')}, {plural(s['evicted_blocks'], 'evicted block')}"
+        f", peak usage {percent(s['peak_usage'], 1)}",
     ]
     off = s.get("without_deferral")
     if off:
         lines.append(
             f"in-batch sharing: {s['prefill_tokens_computed']:,} prefill tokens computed with "
-            f"deferral, {off['prefill_tokens_computed']:,} without"
+            f"deferral, {off['prefill_tokens_computed']:,} without" + _deferral_cost(s, off)
         )
     too_large = result.tally.too_large_line(s["capacity_tokens"])
     if too_large:
         lines.append(too_large)
     lines.append(f"reconciliation {'passed' if s['reconciled'] else 'FAILED'}; outputs in {out}/")
     return "\n".join(lines)
+
+
+def _deferral_cost(s: dict[str, Any], off: dict[str, Any]) -> str:
+    """Why deferral computed more prefill than the run without it, when it did: deferring
+    changes which requests run together, and under pressure the two runs then evict and
+    preempt differently (a preempted request computes its prompt again)."""
+    more = s["prefill_tokens_computed"] - off["prefill_tokens_computed"]
+    if more <= 0:
+        return ""
+    return (
+        f" ({more:,} more with deferral: the runs scheduled differently, and "
+        f"evicted {s['evicted_blocks']:,} and {off.get('evicted_blocks', 0):,} blocks and "
+        f"preempted {s['preemptions']:,} and {off.get('preemptions', 0):,} times)"
+    )
 
 
 def write_report(out: Path, name: str, result: SimResult, plots: bool) -> None:
@@ -76,7 +96,7 @@ def write_report(out: Path, name: str, result: SimResult, plots: bool) -> None:
             f"({s['simulated_seconds']:.3f} simulated s); no end-of-run checks"
         )
     else:
-        lines += _totals(s)
+        lines += _totals(s, result.tally)
     too_large = result.tally.too_large_line(s.get("capacity_tokens"))
     if too_large:
         lines.append(f"- {too_large}")
@@ -87,14 +107,13 @@ def write_report(out: Path, name: str, result: SimResult, plots: bool) -> None:
     (out / "report.md").write_text("\n".join(lines) + "\n")
 
 
-def _totals(s: dict[str, Any]) -> list[str]:
+def _totals(s: dict[str, Any], tally: Tally) -> list[str]:
     cap = s["capacity_tokens"]
     capacity = "unbounded (no attention group)" if cap is None else f"{cap:,} tokens"
     return [
-        f"- requests: {s['requests']:,}, prompt tokens (queries): {s['queries']:,}, "
-        f"reused (hits): {s['hits']:,}, hit rate {s['hit_rate']:.1%}",
+        f"- requests: {s['requests']:,}; {tally.hit_rate_line()}",
         f"- preemptions: {s['preemptions']:,}, evicted blocks: {s['evicted_blocks']:,}, "
-        f"peak usage {s['peak_usage']:.1%}, capacity {capacity}",
+        f"peak usage {percent(s['peak_usage'], 1)}, capacity {capacity}",
         f"- simulated time {s['simulated_seconds']:.3f} s over {s['steps']:,} steps "
         "(cost model estimate, not a measurement)",
         f"- reconciliation: {'passed' if s['reconciled'] else 'FAILED'} {s['reconciliation']}",
@@ -134,13 +153,17 @@ def _deferral_section(s: dict[str, Any]) -> list[str]:
         saved = off["prefill_tokens_computed"] - s["prefill_tokens_computed"]
         lines += [
             "",
-            "| run | prefill tokens computed | reused tokens | simulated s |",
-            "|---|---|---|---|",
+            "| run | prefill tokens computed | reused tokens | preemptions | evicted blocks | "
+            "simulated s |",
+            "|---|---|---|---|---|---|",
             f"| with deferral | {s['prefill_tokens_computed']:,} | {s['hits']:,} | "
-            f"{s['simulated_seconds']:.3f} |",
+            f"{s['preemptions']:,} | {s['evicted_blocks']:,} | {s['simulated_seconds']:.3f} |",
             f"| without deferral | {off['prefill_tokens_computed']:,} | {off['hits']:,} | "
+            f"{off.get('preemptions', 0):,} | {off.get('evicted_blocks', 0):,} | "
             f"{off['simulated_seconds']:.3f} |",
             "",
-            f"Deferral saved {saved:,} prefill tokens.",
+            f"Deferral saved {saved:,} prefill tokens."
+            if saved >= 0
+            else f"Deferral computed {-saved:,} more prefill tokens{_deferral_cost(s, off)}.",
         ]
     return lines

@@ -41,6 +41,7 @@ class SimResult:
     timeline: list[tuple[float, float, float]] = field(default_factory=list)  # t, usage, hit rate
     tally: Tally = field(default_factory=Tally)
     num_fast_steps: int = 0  # steps the fast-forward took (the rest: Scheduler.step())
+    evicted: list[int] = field(default_factory=list)  # per timeline step: blocks evicted so far
 
 
 class SimulationError(RuntimeError):
@@ -134,6 +135,7 @@ class _Run:
         self.clock, self.peak_used, self.num_prefill, self.num_deferred = 0.0, 0, 0, 0
         self.num_fast_steps = 0
         self.timeline: list[tuple[float, float, float]] = []
+        self.evicted: list[int] = []  # the pool's evictions so far, per step (for the plot)
 
     def loop(self, on_step: Callable[[int, int], None] | None, kept: list[Row]) -> SimResult:
         sched, feeder, limit = self.sched, self.feeder, self.sched.config.max_num_seqs
@@ -196,9 +198,11 @@ class _Run:
         queries, hits = counters["prefix_cache_queries"], counters["prefix_cache_hits"]
         point = (used / (self.mgr.config.num_blocks - 1), hits / queries if queries else 0.0)
         clock, taken, add = self.clock, 0, self.timeline.append
+        evicted, add_evicted = self.mgr.pool.num_evicted_blocks, self.evicted.append
         while taken < num:
             clock += dt
             add((clock, *point))
+            add_evicted(evicted)  # a quiet step allocates nothing, so evicts nothing
             taken += 1
             if nxt is not None and clock >= nxt:
                 break  # released before the next step
@@ -232,6 +236,7 @@ class _Run:
         hits = mgr.counters["prefix_cache_hits"]
         usage = st.num_used_blocks / (mgr.config.num_blocks - 1)
         self.timeline.append((self.clock, usage, hits / queries if queries else 0.0))
+        self.evicted.append(mgr.pool.num_evicted_blocks)
 
     def _finish(self, seq: Seq) -> None:
         rid = seq.request_id
@@ -271,7 +276,9 @@ class _Run:
             summary = _partial_summary(self)
         else:
             summary = _summary(self)
-        return SimResult(kept, summary, self.timeline, self.tally, self.num_fast_steps)
+        return SimResult(
+            kept, summary, self.timeline, self.tally, self.num_fast_steps, self.evicted
+        )
 
 
 def _summary(run: _Run) -> dict[str, Any]:
@@ -342,7 +349,15 @@ def without_deferral(
     s = simulate(
         off, workload, cost, on_step, draft_accept_rate, sink=_discard, fast_forward=fast_forward
     ).summary
-    keys = ("prefill_tokens_computed", "hits", "hit_rate", "simulated_seconds", "steps")
+    keys = (
+        "prefill_tokens_computed",
+        "hits",
+        "hit_rate",
+        "simulated_seconds",
+        "steps",
+        "preemptions",
+        "evicted_blocks",
+    )
     return {k: s[k] for k in keys}
 
 

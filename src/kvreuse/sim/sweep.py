@@ -14,7 +14,6 @@ import array
 import importlib
 import math
 import multiprocessing
-import re
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -23,19 +22,16 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvreuse.deployment import MAX_NUM_BLOCKS, Deployment, blocks_for_capacity, check_num_blocks
+from kvreuse.sim.args import parse_size
 from kvreuse.sim.cost import CostModel
 from kvreuse.sim.feed import static_length
 from kvreuse.sim.run import SimulationError, simulate
 from kvreuse.sim.workload import WorkloadError, WorkloadRequest
 
-# Token counts are decimal, as trace papers and token prices count them: 1M = 10^6 tokens.
-UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
-UNLIMITED = ("inf", "unlimited")
 MAX_CAPACITY = 10**15  # far beyond any pool: a larger value is a typo
 # Blocks of the pools of the cases running at once (each in its own process on this machine):
 # the ceiling of one pool, so a sweep of large pools runs fewer than --jobs at once.
 MAX_BLOCKS_AT_ONCE = MAX_NUM_BLOCKS
-_CAPACITY = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([kmg]?)")
 
 Row = dict[str, Any]
 OnCase = Callable[[int, int], None]  # (cases done, cases in all)
@@ -49,17 +45,10 @@ def parse_capacities(text: str) -> list[int | None]:
     """'1M,3M,10M,50M,inf' → [1_000_000, 3_000_000, 10_000_000, 50_000_000, None]."""
     out: list[int | None] = []
     for part in text.split(","):
-        word = part.strip().lower()
-        if word in UNLIMITED:
-            value: int | None = None
-        else:
-            m = _CAPACITY.fullmatch(word)
-            value = round(float(m[1]) * UNITS[m[2]]) if m else 0
-            if not 1 <= value <= MAX_CAPACITY:
-                raise ValueError(
-                    f"capacity {part.strip()!r} is not a token count: use an integer or a number "
-                    f"with K, M or G (10^3, 10^6, 10^9 tokens) from 1 to 10^15, or inf"
-                )
+        try:
+            value = parse_size(part, 1, MAX_CAPACITY, unlimited=True)
+        except ValueError as exc:
+            raise ValueError(f"capacity {exc}") from None
         if value in out:
             raise ValueError(f"capacity {part.strip()!r} is given twice")
         out.append(value)

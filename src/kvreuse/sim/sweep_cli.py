@@ -21,6 +21,7 @@ from typing import Any
 
 from kvreuse.core import ConfigError
 from kvreuse.deployment import Deployment, GeometryError, resolve
+from kvreuse.sim.args import Help, int_range
 from kvreuse.sim.cli import clear_outputs, prepare_out
 from kvreuse.sim.cost import CostModel
 from kvreuse.sim.progress import Progress
@@ -34,7 +35,6 @@ from kvreuse.sim.sweep import (
     run_cases_on_ray,
 )
 from kvreuse.sim.workload import WorkloadError, read_workload
-from kvreuse.sim.workload_cli import int_range
 
 DEFAULT_CAPACITIES = "1M,3M,10M,50M,inf"
 PLOTS = ("hit_rate_vs_capacity.png", "prefill_time.png")
@@ -51,8 +51,11 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "sweep",
         help="simulate a workload on several geometries and cache capacities",
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Simulate a workload on every (geometry, cache capacity) pair and compare "
+        "them in one table (DIR/sweep.md, DIR/sweep.json) and two plots. Exit codes: 0 done; "
+        "1 a case failed its reconciliation or has requests that never fit its cache; 2 bad "
+        "input; 130 Ctrl-C (the finished cases are kept).",
+        formatter_class=Help,
     )
     p.add_argument("workload", type=Path, metavar="WORKLOAD", help="a workload JSONL file")
     p.add_argument(
@@ -60,20 +63,21 @@ def add_parser(sub: Any) -> None:
         action="append",
         required=True,
         metavar="GEOMETRY",
-        help="a preset or a .toml geometry file; repeat for each geometry to compare",
+        help="a preset or a .toml geometry file; repeat it for each geometry to compare",
     )
     p.add_argument(
         "--capacity",
         default=DEFAULT_CAPACITIES,
         help="comma-separated cache capacities in tokens: integers, K/M/G = 10^3/10^6/10^9 "
-        "tokens, inf = unlimited (nothing is ever evicted)",
+        "tokens, inf = a pool that never evicts",
     )
     p.add_argument("--out", type=Path, required=True, help="output folder (created if missing)")
     p.add_argument(
         "--jobs",
         type=int_range(1, 1024),
         default=_cores(),
-        help="cases run at once on local processes (1: one after another, in this process)",
+        help="cases run at once on local processes (1: one after another, in this process; "
+        "default: every core)",
     )
     p.add_argument(
         "--ray",
@@ -136,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     except (GeometryError, ConfigError, WorkloadError, OSError, ValueError) as exc:
         return _fail(exc)
     clear_outputs(args.out, OUTPUTS)
-    progress = Progress(not args.quiet and sys.stderr.isatty())
+    progress = Progress(not args.quiet, "kvreuse sweep")
     done: list[Row] = []
     try:
         with progress.phase(f"{len(cases)} cases", len(cases), "case") as on_case:

@@ -1,5 +1,10 @@
 """The sweep's plots (matplotlib, headless): hit rate and simulated prefill time against the
-cache capacity, one line per geometry, capacity on a log axis with `inf` drawn at its end."""
+cache capacity, one line per geometry, capacity on a log axis with `inf` drawn at its end.
+
+Geometries often agree at some capacities (every one reuses the same with an unlimited cache,
+say), and a line drawn over another hides it. Each geometry therefore has its own dash pattern
+and a hollow marker, drawn smaller for each later geometry, so coinciding points show as
+nested markers and coinciding lines as one dash pattern over another."""
 
 from __future__ import annotations
 
@@ -7,6 +12,9 @@ import math
 from pathlib import Path
 
 from kvreuse.sim.sweep import Row, capacity_label
+
+DASHES = ("-", "--", ":", "-.")
+MARKERS = ("o", "s", "^", "D", "v", "P")
 
 
 def _positions(rows: list[Row]) -> tuple[dict[int | None, float], list[float], list[str]]:
@@ -36,7 +44,7 @@ def write_plots(out: Path, rows: list[Row]) -> list[Path]:
     paths = []
     for name, ylabel, title in panels:
         fig, ax = plt.subplots(figsize=(8.0, 4.5))
-        for geometry in geometries:
+        for i, geometry in enumerate(geometries):
             mine = sorted(
                 (where[r["capacity_tokens"]], r) for r in rows if r["geometry"] == geometry
             )
@@ -48,7 +56,17 @@ def write_plots(out: Path, rows: list[Row]) -> list[Path]:
                     math.nan if r["prefill_seconds"] is None else r["prefill_seconds"]
                     for _, r in mine
                 ]
-            ax.plot(xs, ys, marker="o", label=geometry)
+            ax.plot(
+                xs,
+                ys,
+                label=geometry,
+                linestyle=DASHES[i % len(DASHES)],
+                marker=MARKERS[i % len(MARKERS)],
+                markersize=max(4.0, 12.0 - 2.5 * i),
+                markerfacecolor="none",
+                markeredgewidth=1.5,
+                linewidth=max(1.0, 2.5 - 0.5 * i),
+            )
         ax.set_xscale("log")
         ax.set_xticks(ticks, labels)
         ax.minorticks_off()

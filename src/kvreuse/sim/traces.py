@@ -27,6 +27,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from kvreuse.sim.args import plural
 from kvreuse.sim.jsonl import LineError, json_lines
 from kvreuse.sim.workload import (
     MAX_ARRIVAL_S,
@@ -91,23 +92,29 @@ class ImportStats:
 
     def summary(self) -> str:
         lines = [
-            f"wrote {self.num_written:,} requests ({self.prompt_tokens:,} prompt tokens) from "
-            f"{self.num_records:,} records"
+            f"wrote {plural(self.num_written, 'request')} ({self.prompt_tokens:,} prompt tokens) "
+            f"from {plural(self.num_records, 'record')}"
         ]
         if self.num_past_ids:
             lines.append(
-                f"{self.num_past_ids:,} records have more input tokens than hash ids cover; "
+                f"{plural(self.num_past_ids, 'record')} "
+                f"{'has' if self.num_past_ids == 1 else 'have'} more input tokens than its hash "
+                "ids cover; "
                 "those tokens are unique to their request (shared with none)"
             )
         if self.num_no_output:
             lines.append(
-                f"{self.num_no_output:,} records have output_length 0; each generates 1 token "
+                f"{plural(self.num_no_output, 'record')} "
+                f"{'has' if self.num_no_output == 1 else 'have'} output_length 0; each generates "
+                "1 token "
                 "(a request generates at least one)"
             )
         if self.num_orphans:
             lines.append(
-                f"{self.num_orphans:,} requests name a parent_chat_id no earlier record has "
-                "(a session begun before the trace); they wait for no one"
+                f"{plural(self.num_orphans, 'request')} "
+                f"{'names' if self.num_orphans == 1 else 'name'} a parent_chat_id no earlier "
+                "record has (a session begun before the trace); "
+                f"{'it waits' if self.num_orphans == 1 else 'they wait'} for no one"
             )
         return "; ".join(lines)
 

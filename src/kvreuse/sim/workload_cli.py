@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Callable
 from typing import IO, Any
 
 from kvreuse.deployment import GeometryError
+from kvreuse.sim.args import Help, int_range, number, size, size_list
 from kvreuse.sim.generators import GENERATORS
 from kvreuse.sim.traces import FORMATS, ImportOptions, ImportStats, import_trace
 from kvreuse.sim.workload import MAX_BLOCK_TOKENS, MAX_TOKENS_PER_REQUEST, WorkloadError
@@ -22,63 +22,14 @@ from kvreuse.sim.workload import MAX_BLOCK_TOKENS, MAX_TOKENS_PER_REQUEST, Workl
 MAX_COUNT = 1_000_000  # requests, sessions, turns, sequences, repeats
 
 
-def int_range(low: int, high: int) -> Callable[[str], int]:
-    """An argparse type: an integer in [low, high] (argparse names the option in its error)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text.replace("_", ""))
-        except ValueError:
-            value = low - 1
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(
-                f"must be an integer in {low:,} … {high:,}, got {text!r}"
-            )
-        return value
-
-    return parse
-
-
-def number(low: float, high: float, low_open: bool = False) -> Callable[[str], float]:
-    """An argparse type: a finite float in [low, high] ((low, high] with `low_open`)."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        above = value > low if low_open else value >= low
-        if not (math.isfinite(value) and above and value <= high):
-            opening = "(" if low_open else "["
-            raise argparse.ArgumentTypeError(
-                f"must be a finite number in {opening}{low:g}, {high:g}], got {text!r}"
-            )
-        return value
-
-    return parse
-
-
 def positive_int(limit: int) -> Callable[[str], int]:
     """An argparse type: an integer in [1, limit]."""
     return int_range(1, limit)
 
 
-def int_list(limit: int) -> Callable[[str], list[int]]:
-    """An argparse type: comma-separated integers, each in [1, limit]."""
-    one = positive_int(limit)
-
-    def parse(text: str) -> list[int]:
-        try:
-            values = [one(x.strip()) for x in text.split(",") if x.strip()]
-        except argparse.ArgumentTypeError:
-            values = []
-        if not values:
-            raise argparse.ArgumentTypeError(
-                f"must be comma-separated integers in 1 … {limit:,}, got {text!r}"
-            )
-        return values
-
-    return parse
+def tokens(limit: int) -> Callable[[str], int]:
+    """An argparse type: a count of tokens in [1, limit], as a size (`4096`, `32K`)."""
+    return size(1, limit)
 
 
 def seed(text: str) -> int:
@@ -88,7 +39,7 @@ def seed(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
 
 
-TOKENS = positive_int(MAX_TOKENS_PER_REQUEST)
+TOKENS = tokens(MAX_TOKENS_PER_REQUEST)
 COUNT = positive_int(MAX_COUNT)
 
 
@@ -97,11 +48,11 @@ OPTIONS: dict[str, list[tuple[str, Callable[[str], Any], Any, str]]] = {
     "resend-grid": [
         (
             "--lengths",
-            int_list(MAX_TOKENS_PER_REQUEST),
+            size_list(1, MAX_TOKENS_PER_REQUEST),
             "255,256,257,2047,2048,2049,4096,8191,8192,8193",
-            "prompt lengths, comma-separated",
+            "prompt lengths in tokens, comma-separated",
         ),
-        ("--extra", TOKENS, 8, "tokens appended for the extended prompt"),
+        ("--extra", TOKENS, 8, "tokens appended to each prompt for its appended-P request"),
         ("--max-tokens", TOKENS, 1, "output tokens per request"),
     ],
     "shared-prefix": [
@@ -126,7 +77,7 @@ OPTIONS: dict[str, list[tuple[str, Callable[[str], Any], Any, str]]] = {
             "--sequences",
             COUNT,
             None,
-            "distinct sequences (default: enough to fill 1.5 × the --geometry's cache)",
+            "distinct sequences (default: as many as fill 1.5 × the --geometry's pool)",
         ),
         ("--length", TOKENS, 8192, "tokens per sequence"),
         ("--repeats", COUNT, 2, "passes over the sequences (the first fills)"),
@@ -141,6 +92,40 @@ OPTIONS: dict[str, list[tuple[str, Callable[[str], Any], Any, str]]] = {
 }
 
 
+# per kind: the one-line help `kvreuse workload --help` lists, and the description of its own
+# --help, written for the command line (the generators' docstrings name their parameters)
+ABOUT: dict[str, tuple[str, str]] = {
+    "resend-grid": (
+        "per length: a cold request, its identical resend, the prompt with tokens appended",
+        "For each of --lengths P: a cold request (cold-P), an identical resend (warm-P) and "
+        "the prompt with --extra tokens appended (appended-P). One request at a time, each "
+        "waiting for the one before, so a request's TTFT is its own prefill.",
+    ),
+    "shared-prefix": (
+        "requests arriving together that share one system prompt",
+        "--requests requests, all arriving at time 0, each a --prefix-len-token system prompt "
+        "shared by all followed by a --suffix-len-token suffix of its own (a burst).",
+    ),
+    "agent": (
+        "multi-turn agent sessions, each turn continuing the previous one's history",
+        "--sessions sessions of --turns turns: each turn's prompt is the previous turn's prompt "
+        "and generated tokens, then a --tool-len-token tool result and a --user-len-token user "
+        "message.",
+    ),
+    "retrieval": (
+        "one long document, cold, then warm",
+        "One --length-token document sent twice: cold, then an identical warm resend.",
+    ),
+    "pressure": (
+        "long sequences that overfill the pool, then replayed",
+        "Long sequences one after another, then replayed (--repeats passes in all), each pass "
+        "in the reverse order of the one before: a replay first finds the newest sequences "
+        "cached and then the ones evicted. By default as many sequences as fill 1.5 × the "
+        "pool of --geometry.",
+    ),
+}
+
+
 def add_parser(sub: Any) -> None:
     wl = sub.add_parser(
         "workload",
@@ -149,13 +134,8 @@ def add_parser(sub: Any) -> None:
     )
     kinds = wl.add_subparsers(dest="kind", required=True, metavar="KIND")
     for kind, options in OPTIONS.items():
-        doc = (GENERATORS[kind].__doc__ or "").split("\n\n")[0]
-        p = kinds.add_parser(
-            kind,
-            help=doc.splitlines()[0],
-            description=" ".join(doc.split()),
-            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        )
+        summary, description = ABOUT[kind]
+        p = kinds.add_parser(kind, help=summary, description=description, formatter_class=Help)
         for flag, typ, default, text in options:
             # `--len` is accepted for `--length` (the workload format's name)
             aliases = ("--len",) if flag == "--length" else ()
@@ -174,21 +154,21 @@ def _add_import(kinds: Any) -> None:
         "(timestamp in ms, 512-token hash blocks); bailian: Alibaba Bailian's Qwen traces "
         "(chat and parent ids, timestamp in s, 16-token hash blocks). A bad record is one "
         "error line naming the file, the line and the field (exit 2).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=Help,
     )
     p.add_argument("format", choices=sorted(FORMATS), help="the trace's format")
     p.add_argument("file", help="the trace, JSON lines ('-': standard input)")
     p.add_argument(
         "--block-tokens",
-        type=positive_int(MAX_BLOCK_TOKENS),
+        type=tokens(MAX_BLOCK_TOKENS),
         default=None,
-        help="tokens per hash id (None: the format's, 512 for mooncake, 16 for bailian)",
+        help="tokens per hash id (default: the format's, 512 for mooncake, 16 for bailian)",
     )
     p.add_argument(
         "--limit",
         type=positive_int(2**63 - 1),
         default=None,
-        help="write at most N requests (None: all)",
+        help="write at most N requests (default: all)",
     )
     p.add_argument(
         "--time-scale",

@@ -23,6 +23,7 @@ from types import FrameType
 from typing import Any
 
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT, POLICIES, check_policy
+from kvreuse.sim.args import Help, size
 
 
 def build_app(
@@ -92,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m kvreuse.fleet.ray_serve.app",
         description="kvreuse replicas on Ray Serve behind an exact cache-aware request router",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=Help,
     )
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--address", default=None, help="Ray cluster (default: a new local one)")
@@ -101,7 +102,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--geometry", default=None, help="preset or TOML file of every replica")
     p.add_argument("--model", default=None, help="replicas: model directory (default: tiny)")
     p.add_argument("--fake", action="store_true", help="replicas: deterministic fake model")
-    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument(
+        "--num-blocks", type=size(2, 2**40), default=None, help="each replica's pool, in blocks"
+    )
     p.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of a new local cluster")
     p.add_argument("--host", default="127.0.0.1", help="where Ray Serve's HTTP proxy listens")

@@ -49,20 +49,48 @@ class Policy(Protocol):
         ...
 
 
-def cheapest(view: FleetView, query: Query, predicted: Sequence[int]) -> tuple[int, list[float]]:
+class Turn:
+    """How ties break: among replicas equal on everything a policy compares, the first one at
+    or after the replica after the last one routed to. Sequential traffic with no cache
+    advantage anywhere then goes round the fleet, instead of filling the lowest index's cache
+    and leaving the others cold (with nothing in flight every load is 0, so a load tie-break
+    alone would send every such request to replica 0). It depends only on the routing history,
+    so a simulation stays deterministic."""
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def order(self, replica: int, num_replicas: int) -> int:
+        """The replica's place in the turn: 0 for the one whose turn it is."""
+        return (replica - self.next) % num_replicas
+
+    def routed(self, index: int) -> None:
+        self.next = index + 1
+
+
+def cheapest(
+    view: FleetView, query: Query, predicted: Sequence[int], turn: Turn | None = None
+) -> tuple[int, list[float]]:
     """The replica of lowest `(prompt − predicted) + load_weight × load`; ties go to the lower
-    load, then the lower index."""
+    load, then to the replica whose turn it is (`Turn`; without one, the lower index)."""
     w, loads, n = view.load_weight, view.load_tokens, query.num_tokens
     costs = [n - p + w * load for p, load in zip(predicted, loads, strict=True)]
-    best = min(range(len(costs)), key=lambda r: (costs[r], loads[r], r))
+    size = len(costs)
+    order = turn.order if turn is not None else lambda r, _n: r
+    best = min(range(size), key=lambda r: (costs[r], loads[r], order(r, size)))
     return best, costs
 
 
-def least_loaded(view: FleetView, candidates: Sequence[int] | None = None) -> int:
-    """The candidate with the fewest load tokens, then requests, then the lowest index."""
+def least_loaded(
+    view: FleetView, candidates: Sequence[int] | None = None, turn: Turn | None = None
+) -> int:
+    """The candidate with the fewest load tokens, then requests, then the one whose turn it is
+    (`Turn`; without one, the lowest index)."""
     loads, counts = view.load_tokens, view.num_requests
-    pool = range(len(loads)) if candidates is None else candidates
-    return min(pool, key=lambda r: (loads[r], counts[r], r))
+    size = len(loads)
+    pool = range(size) if candidates is None else candidates
+    order = turn.order if turn is not None else lambda r, _n: r
+    return min(pool, key=lambda r: (loads[r], counts[r], order(r, size)))
 
 
 class RoundRobin:
@@ -84,14 +112,17 @@ class RoundRobin:
 class LeastLoaded:
     name = "least-loaded"
 
+    def __init__(self) -> None:
+        self.turn = Turn()
+
     def added(self, index: int) -> None:
         pass
 
     def choose(self, view: FleetView, query: Query) -> Choice:
-        return least_loaded(view), None, None
+        return least_loaded(view, turn=self.turn), None, None
 
     def routed(self, index: int, query: Query) -> None:
-        pass
+        self.turn.routed(index)
 
 
 class TextPrefix:
@@ -131,6 +162,7 @@ class TextPrefix:
         self.threshold, self.imbalance = threshold, imbalance
         self.capacity_units = None if capacity_tokens is None else max(1, capacity_tokens // unit)
         self.trees: list[OrderedDict[int, None]] = []  # per replica, least recent first
+        self.turn = Turn()
 
     def added(self, index: int) -> None:
         self.trees.append(OrderedDict())
@@ -148,7 +180,7 @@ class TextPrefix:
         predicted = [min(k * u, top) for k in matches]
         counts = view.num_requests
         if max(counts) - min(counts) > self.imbalance:
-            return least_loaded(view), predicted, None
+            return least_loaded(view, turn=self.turn), predicted, None
         best = max(matches)
         if best * u >= self.threshold * query.num_tokens:
             candidates = [r for r, k in enumerate(matches) if k == best]
@@ -156,10 +188,12 @@ class TextPrefix:
             sizes = [len(t) for t in self.trees]
             smallest = min(sizes)
             candidates = [r for r, s in enumerate(sizes) if s == smallest]
-        loads = view.load_tokens
-        return min(candidates, key=lambda r: (counts[r], loads[r], r)), predicted, None
+        loads, size, order = view.load_tokens, len(counts), self.turn.order
+        best_replica = min(candidates, key=lambda r: (counts[r], loads[r], order(r, size)))
+        return best_replica, predicted, None
 
     def routed(self, index: int, query: Query) -> None:
+        self.turn.routed(index)
         tree = self.trees[index]
         for key in reversed(query.keys):  # a prefix ends more recent than its extensions
             tree[key] = None
@@ -181,6 +215,7 @@ class AttentionChain:
             self.gid = attention_group(geo).group_id
         except ValueError:
             raise ValueError("attention-chain needs a full-attention group") from None
+        self.turn = Turn()
 
     def added(self, index: int) -> None:
         pass
@@ -195,11 +230,11 @@ class AttentionChain:
             while k < limit and keys[k] in entries:
                 k += 1
             predicted.append(k * u)
-        index, costs = cheapest(view, query, predicted)
+        index, costs = cheapest(view, query, predicted, self.turn)
         return index, predicted, costs
 
     def routed(self, index: int, query: Query) -> None:
-        pass
+        self.turn.routed(index)
 
 
 class Exact:
@@ -218,6 +253,7 @@ class Exact:
             self.first_page = g.page_size // geo.hash_unit  # units in the first page
         except ValueError:
             self.gid, self.first_page = None, 0
+        self.turn = Turn()
 
     def added(self, index: int) -> None:
         pass
@@ -237,11 +273,11 @@ class Exact:
                         predicted.append(0)
                         continue
                 predicted.append(compute_lookup(geo, mirror, rid, chain, n).hit)
-        index, costs = cheapest(view, query, predicted)
+        index, costs = cheapest(view, query, predicted, self.turn)
         return index, predicted, costs
 
     def routed(self, index: int, query: Query) -> None:
-        pass
+        self.turn.routed(index)
 
 
 def make_policy(

@@ -23,7 +23,7 @@ from kvreuse.fleet import DEFAULT_LOAD_WEIGHT, POLICIES
 from kvreuse.fleet.serving.deadlines import Deadlines
 from kvreuse.fleet.serving.serve_args import UsageError, replica_args, replica_spec
 from kvreuse.serve import ops_options
-from kvreuse.sim.workload_cli import int_range
+from kvreuse.sim.args import Help, int_range, size
 
 MAX_REPLICAS = 64
 DEADLINE_OPTIONS = (  # (flag, Deadlines field, help)
@@ -72,14 +72,16 @@ def _add_fleet(sub: Any) -> None:
         description="Start N `kvreuse serve` replicas on 127.0.0.1 (free ports, KV events on "
         "127.0.0.1) and an OpenAI-compatible router in front of them. Options after `--` go "
         "to every replica (kvreuse serve --help).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=Help,
     )
     p.add_argument("--replicas", type=int_range(1, MAX_REPLICAS), required=True, metavar="N")
     _common(p)
     p.add_argument("--geometry", default=None, help="preset or TOML file of every replica")
     p.add_argument("--model", default=None, help="replicas: model directory (default: tiny)")
     p.add_argument("--fake", action="store_true", help="replicas: deterministic fake model")
-    p.add_argument("--num-blocks", type=int_range(2, 2**40), default=None, help="replicas' cache")
+    p.add_argument(
+        "--num-blocks", type=size(2, 2**40), default=None, help="replicas' cache, in blocks"
+    )
     p.add_argument("--max-pending", type=int_range(1, 2**31), default=None, help="per replica")
     p.add_argument(
         "--start-timeout", type=float, default=180.0, help="seconds the replicas get to start"
@@ -95,7 +97,7 @@ def _add_route(sub: Any) -> None:
         help="a cache-aware router in front of running replicas",
         description="Route OpenAI requests over replicas started elsewhere: any server that "
         "publishes vLLM-format KV events and reports usage.prompt_tokens_details.cached_tokens.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=Help,
     )
     p.add_argument(
         "--replica",
@@ -118,13 +120,16 @@ def _add_route(sub: Any) -> None:
 
 # ---------------------------------------------------------------------------- commands
 def _cmd_fleet(args: argparse.Namespace) -> int:
+    from kvreuse.fleet.serving.preflight import check_model
     from kvreuse.fleet.serving.replicas import LocalFleet, ReplicaError, ReplicaProcess
 
     try:
         _check_common(args)
         serve_args = replica_args(args)
-        config = _fleet_deployment(args).cache
+        dep = _fleet_deployment(args)
+        config = dep.cache
         tokenizer = _tokenizer(args.model, None)
+        check_model(args.model, args.fake, dep, tokenizer)  # before any replica starts
         dispatcher, sock = _open(args, config)
     except (UsageError, ValueError, OSError) as exc:
         return _usage("fleet", exc, args)

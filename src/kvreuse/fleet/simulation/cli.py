@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Iterable
@@ -32,12 +33,13 @@ from kvreuse.deployment import (
     GeometryError,
 )
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT, POLICIES, TEXT_MATCH_THRESHOLD
-from kvreuse.sim.cli import clear_outputs, prepare_out, read_inputs
+from kvreuse.sim.args import int_range, number, size
+from kvreuse.sim.cli import check_fit_first, clear_outputs, prepare_out, read_inputs
 from kvreuse.sim.cost import CostModel
 from kvreuse.sim.progress import Progress
 from kvreuse.sim.run import SimulationError
+from kvreuse.sim.sweep import request_lengths
 from kvreuse.sim.workload import WorkloadError, WorkloadRequest
-from kvreuse.sim.workload_cli import int_range, number
 
 INTERRUPTED = 130
 MAX_REPLICAS = 1024
@@ -62,10 +64,11 @@ def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--shared-tier-capacity",
-        type=int_range(1, 2**62),
+        type=size(1, 2**62, unlimited=True),
         default=argparse.SUPPRESS,
         metavar="TOKENS",
-        help="a shared pool of TOKENS every replica reads (a global cache; attention-only)",
+        help="a shared pool of TOKENS every replica reads (a global cache; attention-only; "
+        "30M, inf: one that never evicts)",
     )
     g.add_argument(
         "--load-weight",
@@ -133,6 +136,8 @@ def run_fleet(args: argparse.Namespace) -> int:
     policies = list(dict.fromkeys(args.policy or ["exact"]))
     try:
         dep, workload = read_inputs(args)
+        if args.shared_tier_capacity == math.inf:  # room for every token any request holds
+            args.shared_tier_capacity = sum(request_lengths(workload))
         cost = CostModel.for_deployment(
             dep,
             prefill_tokens_per_s=args.prefill_tokens_per_s,
@@ -140,6 +145,7 @@ def run_fleet(args: argparse.Namespace) -> int:
         )
         paths = _outputs(args.out, policies)
         _check_fleet(args, dep, policies)
+        check_fit_first(args, dep, workload, "kvreuse simulate")
     except ModuleNotFoundError as exc:
         return _fail(
             f"a fleet needs {exc.name}, which is not installed: pip install -e '.[events]'"
@@ -148,7 +154,7 @@ def run_fleet(args: argparse.Namespace) -> int:
         return _fail(exc)
     # an earlier run's rows of any policy, this run's or not, would pass for this run's
     clear_outputs(args.out, _names(POLICIES))
-    progress = Progress(not args.quiet and sys.stderr.isatty())
+    progress = Progress(not args.quiet, "kvreuse simulate")
     summaries: list[dict[str, Any]] = []
     for policy, rows_path in zip(policies, paths[2:], strict=True):
         try:
@@ -245,7 +251,8 @@ def _report(
     too_large = next((s["too_large"] for s in summaries if s["too_large"]["count"]), None)
     if too_large:
         ids = ", ".join(too_large["ids"])
-        return _fail(f"{too_large['count']:,} requests exceed a replica's cache: {ids}", 1)
+        verb = "request exceeds" if too_large["count"] == 1 else "requests exceed"
+        return _fail(f"{too_large['count']:,} {verb} a replica's cache: {ids}", 1)
     if failed:
         return _fail(f"reconciliation failed for {', '.join(failed)} (see fleet.json)", 1)
     return 0

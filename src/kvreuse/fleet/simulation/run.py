@@ -253,7 +253,8 @@ class _FleetRun:
 
     def summary(self) -> dict[str, Any]:
         tally, options, reps = self.tally, self.options, self.replicas
-        prompt, cached = sum(tally.prompt_tokens), sum(tally.cached)
+        # the hit rate's denominator: the prompts of admitted requests, as a replica's counter
+        prompt, cached = sum(tally.admitted_prompt), sum(tally.cached)
         managers = [rep.mgr for rep in reps]
         checks = reconcile(tally, managers, self.router.mirrors, len(self.workload))
         tier = None
@@ -275,8 +276,8 @@ class _FleetRun:
                     "requests": tally.requests[r],
                     "prompt_tokens": tally.prompt_tokens[r],
                     "cached_tokens": tally.cached[r],
-                    "hit_rate": tally.cached[r] / tally.prompt_tokens[r]
-                    if tally.prompt_tokens[r]
+                    "hit_rate": tally.cached[r] / tally.admitted_prompt[r]
+                    if tally.admitted_prompt[r]
                     else 0.0,
                     "evicted_blocks": m["kv_blocks_evicted_total"],
                     "peak_usage": rep.peak_used / (mgr.config.num_blocks - 1),
@@ -288,7 +289,8 @@ class _FleetRun:
             "replicas": options.replicas,
             "load_weight": options.load_weight,
             "requests": tally.num_rows,
-            "prompt_tokens": prompt,
+            "prompt_tokens": sum(tally.prompt_tokens),
+            "admitted_prompt_tokens": prompt,
             "cached_tokens": cached,
             "hit_rate": cached / prompt if prompt else 0.0,
             "shared_tier": tier,

@@ -16,6 +16,7 @@ from typing import Any
 from kvreuse.core import KVCacheManager
 from kvreuse.events import ReplicaMirror, hash64
 from kvreuse.sched import Seq
+from kvreuse.sim.args import percent, plural
 
 NAMED_TOO_LARGE = 10
 
@@ -186,7 +187,7 @@ def too_large(tally: FleetTally) -> dict[str, Any]:
 
 
 def _pct(value: float | None) -> str:
-    return "—" if value is None else f"{value:.1%}"
+    return "—" if value is None else percent(value, 1)
 
 
 def comparison_table(summaries: Sequence[dict[str, Any]]) -> str:
@@ -211,4 +212,17 @@ def comparison_table(summaries: Sequence[dict[str, Any]]) -> str:
         cv = "—" if b["cv"] is None else f"{b['cv']:.2f}"
         line += f"{s['cached_tokens']:>14,} {mm:>8} {cv:>6} {mae:>10} {over:>10} {ttft:>9}"
         lines.append(line)
+    lines.append(denominator_note(summaries))
     return "\n".join(lines)
+
+
+def denominator_note(summaries: Sequence[dict[str, Any]]) -> str:
+    """What the hit rate counts, and the requests it leaves out (the same in every run)."""
+    note = "hit rate: cached / prompt tokens of the admitted requests"
+    refused = max((s["too_large"]["count"] for s in summaries), default=0)
+    if refused:
+        left = max(s["prompt_tokens"] - s["admitted_prompt_tokens"] for s in summaries)
+        note += (
+            f"; it leaves out {plural(refused, 'request')} never admitted ({left:,} prompt tokens)"
+        )
+    return note

@@ -1,0 +1,79 @@
+"""Whether a workload's requests fit a pool, found before the run: the scheduler refuses a
+request whose full-attention pages for prompt + max_tokens − 1 outnumber the pool's usable
+blocks (`Scheduler.add`), and every such request is known from the workload's lengths alone.
+A run on a preset's own pool that would refuse some is refused up front with the capacity
+that fits them; on a pool the user chose, the run is told about them first and goes on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvreuse.core import Geometry
+from kvreuse.deployment import Deployment
+from kvreuse.sim.args import plural
+from kvreuse.sim.feed import Arrivals
+from kvreuse.sim.sweep import request_lengths, unlimited_blocks
+from kvreuse.sim.workload import WorkloadRequest
+
+
+def min_blocks(geo: Geometry, num_tokens: int) -> int:
+    """The scheduler's lower bound of the blocks a request computing `num_tokens` holds at
+    once: every page of a full-attention group, one page of a window group, a recurrent
+    group's live state and scratch (`Scheduler.min_blocks`)."""
+    fixed = sum(1 if g.is_attention else 1 + g.scratch for g in geo.groups if g.kind != "full")
+    return fixed + sum(-(-num_tokens // g.page_size) for g in geo.groups if g.kind == "full")
+
+
+@dataclass(frozen=True)
+class Fit:
+    num_requests: int
+    num_too_large: int  # requests the pool can never hold, even alone
+    largest_tokens: int  # the most tokens one request computes (prompt + max_tokens − 1)
+    largest_id: str
+
+    def message(self, dep: Deployment) -> str:
+        """'10 of 3,993 requests do not fit attention-16's pool …: --capacity-tokens 164K …'."""
+        cap = dep.cache.capacity_tokens()
+        pool = plural(dep.cache.num_blocks, "block") + (f", {plural(cap, 'token')}" if cap else "")
+        return (
+            f"{self.num_too_large:,} of {plural(self.num_requests, 'request')} can never fit "
+            f"{dep.name}'s pool ({pool}) and would be refused; the largest, {self.largest_id}, "
+            f"computes {self.largest_tokens:,} tokens: --capacity-tokens "
+            f"{size_label(self.largest_tokens)} fits every request (inf: a pool that never "
+            "evicts)"
+        )
+
+
+def check_fit(dep: Deployment, workload: list[WorkloadRequest]) -> Fit:
+    """How many of the workload's requests the pool of `dep` can never hold. The run's own
+    checks of the lengths known before it come first (a WorkloadError, as the run raises)."""
+    Arrivals(workload, dep.max_model_len)
+    geo = dep.cache.geometry
+    usable = dep.cache.num_blocks - 1  # the null block is never handed out
+    num_too_large, largest, largest_id = 0, 0, ""
+    for w, bound in zip(workload, request_lengths(workload), strict=True):
+        n = bound - 1  # prompt + max_tokens − 1: the last step computes that many
+        if min_blocks(geo, n) > usable:
+            num_too_large += 1
+        if n > largest:
+            largest, largest_id = n, w.request_id
+    return Fit(len(workload), num_too_large, largest, largest_id)
+
+
+def size_label(n: int) -> str:
+    """`n` rounded up to three significant digits, in the sizes the options read: 163,839 →
+    '164K', 3,000,000 → '3M', 900 → '900'."""
+    for unit, scale in (("G", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= scale:
+            digits = max(0, 3 - len(str(n // scale)))
+            step = 10**digits
+            value = math.ceil(n * step / scale) / step
+            return f"{value:g}{unit}"
+    return str(n)
+
+
+def never_evicting_blocks(dep: Deployment, workload: list[WorkloadRequest]) -> int:
+    """The pool of `--capacity-tokens inf`: more blocks than the workload can ever take."""
+    return unlimited_blocks(dep, request_lengths(workload))

@@ -1,0 +1,68 @@
+"""Every command's --help reads as finished sentences in the command line's own words: no text
+cut where a docstring's first line ended, no parameter names of the Python API, and an option's
+default said once."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Iterator
+
+import pytest
+
+from kvreuse.cli import build_parser, main
+
+# Words a sentence does not end on: a help that ends so was cut.
+DANGLING = {"a", "an", "the", "and", "or", "of", "in", "to", "with", "for", "by", "from", "plus"}
+# Names of the generators' and the API's parameters that a user never types.
+INTERNAL = re.compile(r"\b(?:prefix_len|suffix_len|max_tokens|num_blocks)\b|Deployment")
+# What a code span in a help may hold: an option, a command, an action word.
+TYPED = re.compile(r"--[a-z-]*|kvreuse .*|list|show NAME")
+
+
+def _texts(
+    parser: argparse.ArgumentParser, path: str
+) -> Iterator[tuple[str, str, argparse.ArgumentParser]]:
+    if parser.description:
+        yield f"{path} (description)", parser.description, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for choice in action._choices_actions:
+                yield f"{path} {choice.dest} (summary)", choice.help or "", parser
+            for name, sub in action.choices.items():
+                yield from _texts(sub, f"{path} {name}")
+        elif action.help and action.help is not argparse.SUPPRESS:
+            formatter = parser._get_formatter()
+            yield f"{path} {action.dest}", formatter._expand_help(action), parser
+
+
+TEXTS = list(_texts(build_parser(), "kvreuse"))
+
+
+@pytest.mark.parametrize(("where", "text"), [(w, t) for w, t, _ in TEXTS])
+def test_help_is_whole_sentences_in_the_command_lines_words(where: str, text: str) -> None:
+    assert text.count("(") == text.count(")"), f"{where}: cut inside parentheses: {text!r}"
+    assert text.count("`") % 2 == 0, f"{where}: cut inside a code span: {text!r}"
+    last = re.findall(r"[\w']+", text)[-1].lower()
+    finished = text.rstrip().endswith((".", "!", "?"))
+    assert finished or last not in DANGLING, f"{where}: ends mid-sentence: {text!r}"
+    assert not INTERNAL.search(text), f"{where}: names an internal: {text!r}"
+    for span in re.findall(r"`([^`]*)`", text):
+        assert TYPED.fullmatch(span), f"{where}: `{span}` is not something a user types"
+
+
+@pytest.mark.parametrize(("where", "text"), [(w, t) for w, t, _ in TEXTS])
+def test_an_options_default_is_said_once(where: str, text: str) -> None:
+    assert text.lower().count("default") <= 1, f"{where}: {text!r}"
+    assert "None" not in text and "(default: False)" not in text, f"{where}: {text!r}"
+
+
+def test_the_help_of_every_command_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    commands = [w.split(" (")[0].split()[1:] for w, _, _ in TEXTS if w.endswith("(description)")]
+    assert ["workload", "pressure"] in commands and ["simulate"] in commands
+    for command in commands:
+        with pytest.raises(SystemExit) as done:
+            main([*command, "--help"])
+        assert done.value.code == 0
+        out = capsys.readouterr().out
+        assert "(default: None)" not in out and "(default: False)" not in out
