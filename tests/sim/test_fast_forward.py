@@ -2,10 +2,10 @@
 
 Random workloads (arrivals, shared prefixes, multi-turn histories, dependencies, pools small
 enough to evict and preempt, speculative decoding with random acceptance) run on every preset
-family, both paths; the rows, the summary, the timeline (with its evictions) and the KV events of every step must be
-identical, and the fast path must draw the same acceptance numbers, request by request in the
-same order. Examples follow the Hypothesis profile (tests/conftest.py: `ci` 500, `slow` 5,000,
-`dev` 50).
+family, both paths; the rows, the summary, the timeline (with its evictions) and the KV events of
+every step must be identical, and the fast path must draw the same acceptance numbers, request by
+request in the same order. Examples follow the Hypothesis profile (tests/conftest.py: `ci` 500,
+`slow` 5,000, `dev` 50).
 """
 
 from __future__ import annotations
