@@ -20,12 +20,12 @@ import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from kvreuse.core import ConfigError, GroupSpec
+from kvreuse.core import ConfigError, GroupSpec, KVCacheManager, Request
 from kvreuse.deployment import Deployment, preset
-from kvreuse.sched import ScriptedEngine
+from kvreuse.sched import FakeEngine, FastForward, Scheduler, ScriptedEngine
 from kvreuse.sched.advance import HORIZON
 from kvreuse.sim.run import CostModel, SimResult, simulate
-from kvreuse.sim.workload import load_workload
+from kvreuse.sim.workload import load_workload, random_tokens
 
 # Each family: a preset (or a variant of one) and the token scale its boundaries live at.
 FAMILIES: dict[str, tuple[Deployment, int]] = {
@@ -255,3 +255,26 @@ def test_each_family_decodes_long_enough_to_cross_its_boundaries(name: str) -> N
     result = assert_same(dep, lines, CostModel(saved_state_s=0.001), 0.7)
     assert result.summary["evicted_blocks"] > 0
     assert result.num_fast_steps > 0.8 * result.summary["steps"]
+
+
+def test_a_long_stretch_keeps_no_finished_request() -> None:
+    """A burst taken in one stretch (admissions inside it): the stretch holds a lane per running
+    request only, so a long run keeps no finished request alive."""
+    dep = preset("hybrid-dcp4")
+    mgr = KVCacheManager(replace(dep.cache, enable_events=False))
+    engine = FakeEngine()
+    sched = Scheduler(mgr, engine, replace(dep.sched, max_num_seqs=4))
+    for i in range(40):
+        sched.add(Request(f"r{i}", random_tokens(i, 600)), max_tokens=300 + i)
+    fast = FastForward(sched, engine)
+    assert fast.begin() is False  # nothing runs yet
+    sched.step()  # admits the first four
+    assert fast.begin()
+    finished = 0
+    while sched.has_work():
+        st = fast.step()
+        assert st is not None  # the pool holds everything: the stretch never hands back
+        finished += len(st.finished)
+        assert len(fast.lanes) == len(sched.running) <= 4
+    assert finished == 40
+    mgr.check_invariants()

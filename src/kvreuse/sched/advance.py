@@ -108,7 +108,10 @@ class FastForward:
         self.unit = geo.hash_unit
         self.save_groups = len(geo.recurrent) if geo.caching_enabled else 0
         self.at_end = script.saves == "at_end"
-        self.lanes: list[_Lane] = []  # every running request, in running order
+        # every running request by rank (insertion order is running order); a lane leaves
+        # when its request finishes, so a long stretch holds no finished request
+        self.lanes: dict[int, _Lane] = {}
+        self.num_ranks = 0
         self.heap: list[tuple[int, int, _Lane]] = []  # decoding lanes by (event, rank)
         self.prefilling: list[_Lane] = []  # lanes with a prefill chunk to run, in rank order
         self.num_decoding = 0
@@ -126,18 +129,20 @@ class FastForward:
         decoding = sum(1 for s in running if s.scheduled >= s.num_tokens - 1)
         if self.decode * decoding > sched.config.max_num_batched_tokens:
             return False
-        self.step_index, self.lanes, self.prefilling = 0, [], []
+        self.step_index, self.lanes, self.prefilling = 0, {}, []
+        self.num_ranks = len(running)
         for rank, seq in enumerate(running):
             t = seq.num_tokens - 1
             lane = _Lane(seq, rank, t, 0, None, 0, t, t)
-            self.lanes.append(lane)
+            self.lanes[rank] = lane
             if seq.scheduled >= t:
                 self._arm(lane, 0)
             else:
                 lane.prefill = True
                 self.prefilling.append(lane)
         self.num_decoding = decoding
-        self.heap = [(lane.event, lane.rank, lane) for lane in self.lanes if not lane.prefill]
+        lanes = self.lanes.values()
+        self.heap = [(lane.event, lane.rank, lane) for lane in lanes if not lane.prefill]
         heapq.heapify(self.heap)
         self.open = True
         return True
@@ -225,8 +230,9 @@ class FastForward:
         if sched.waiting and budget > 0 and cfg.max_num_seqs > seats:
             sched.admit_waiting(stats, budget)  # the scheduler's own rule, lookups and all
             for seq in sched.running[seats:]:
-                lane = _Lane(seq, len(self.lanes), 0, 0, None, 0, 0, 0, prefill=True)
-                self.lanes.append(lane)
+                lane = _Lane(seq, self.num_ranks, 0, 0, None, 0, 0, 0, prefill=True)
+                self.lanes[lane.rank] = lane
+                self.num_ranks += 1
                 lanes.append(lane)
                 self.prefilling.append(lane)
         stats.num_used_blocks = sched.num_usable_blocks - mgr.num_free_blocks
@@ -361,6 +367,7 @@ class FastForward:
                     self.prefilling.remove(lane)
                 else:
                     self.num_decoding -= 1
+                del self.lanes[lane.rank]
                 sched.finish_running(lane.seq, stats)
 
     # ------------------------------------------------------------------ up to date
@@ -372,13 +379,13 @@ class FastForward:
         self.open = False
         k, mgr = self.step_index, self.sched.mgr
         behind = []
-        for lane in self.lanes:
+        for lane in self.lanes.values():
             if lane.seq.finished or lane.prefill:
                 continue
             t = lane.t_at(k)
             if t != lane.base:
                 behind.append((lane, t))
-        self.lanes, self.heap, self.prefilling = [], [], []
+        self.lanes, self.heap, self.prefilling = {}, [], []
         if not behind:
             return
         ids = [lane.seq.request_id for lane, _ in behind]
