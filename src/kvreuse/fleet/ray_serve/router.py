@@ -57,7 +57,6 @@ class KvreuseRequestRouter(RequestRouter):  # type: ignore[misc, unused-ignore]
         self.members: dict[str, Any] = {}  # replica unique id → Member
         self.sent: dict[str, Routed] = {}  # internal request id → where it went
         self.decided: dict[str, Routed] = {}  # internal request id → last decision
-        self.turn = 0
 
     async def choose_replicas(
         self,
@@ -88,11 +87,9 @@ class KvreuseRequestRouter(RequestRouter):  # type: ignore[misc, unused-ignore]
         if predicted is not None:
             per_replica = {uid: predicted[m.index] for uid, m in self.members.items()}
             shared.remember_prediction(str(payload.get("rid", "")), per_replica)
-        first, rest = _ranks(routed, candidate_replicas, self.members)
-        if len(first) > 1:  # equal costs: take turns, so that cold sessions spread
-            self.turn = (self.turn + 1) % len(first)
-            first = first[self.turn :] + first[: self.turn]
-        return [first, rest]
+        # the policy's own tie rule (routing.policy.Turn) already spread equal costs: the
+        # chosen replica heads rank 0
+        return list(_ranks(routed, candidate_replicas, self.members))
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: Any, result: Any
