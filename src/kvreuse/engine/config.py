@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from kvreuse.hfconfig import read_config
+
 MODEL_TYPE = "kvreuse-tiny"
 LAYER_KINDS = ("full", "sliding", "recurrent")
 
@@ -98,13 +100,4 @@ class ModelConfig:
 
     @classmethod
     def load(cls, directory: str | Path) -> ModelConfig:
-        path = Path(directory) / "config.json"
-        if not path.is_file():
-            raise ValueError(f"{path}: missing (a model directory needs config.json)")
-        try:
-            d = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc})") from None
-        if not isinstance(d, dict):
-            raise ValueError(f"{path}: must hold a JSON object")
-        return cls.from_dict(d, str(path))
+        return cls.from_dict(read_config(directory), str(Path(directory) / "config.json"))
