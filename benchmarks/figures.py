@@ -227,7 +227,8 @@ def _suite() -> tuple[str, dict[str, Any]]:
         text=True,
     )
     wall = time.monotonic() - start
-    last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    summary = [line for line in done.stdout.splitlines() if re.search(r"\d+ passed", line)]
+    last = summary[-1] if summary else ""
     counts = {w: int(n) for n, w in re.findall(r"(\d+) (passed|skipped|failed|errors?)", last)}
     if done.returncode != 0 or counts.get("failed"):
         raise SystemExit(f"figures: the suite failed: {last}")
@@ -341,7 +342,33 @@ def _events(saved: str | None = None) -> tuple[str, dict[str, Any]]:
     return command, values
 
 
+def _sweep_conversation(saved: str | None = None) -> tuple[str, dict[str, Any]]:
+    """docs/sweeps.md's worked example, from the sweep.json its commands write (`saved`: the
+    --out folder): per case `GEOMETRY.CAPACITY.FIELD`, the geometry as given (a file's stem)."""
+    command = (
+        "kvreuse workload import mooncake conversation_trace.jsonl --time-scale 4 > conv.jsonl; "
+        "kvreuse geometry show hybrid-dcp4 > hybrid-dcp4-sparse.toml (+ its [cost]); kvreuse "
+        "sweep conv.jsonl --geometry hybrid-dcp4-ckpt256 --geometry hybrid-dcp4-ckpt2048 "
+        "--geometry hybrid-dcp4-sparse.toml --capacity 1M,3M,10M,50M,inf --out conv-sweep"
+    )
+    if saved is None:
+        raise SystemExit("figures: run the commands, then record sweep_conversation --from DIR")
+    from kvreuse.sim.sweep import capacity_label
+
+    doc = json.loads((Path(saved) / "sweep.json").read_text(encoding="utf-8"))
+    values: dict[str, Any] = {}
+    for case in doc["cases"]:
+        name = Path(case["geometry"]).stem.removeprefix("hybrid-dcp4-")
+        pre = f"{name}.{capacity_label(case['capacity_tokens'])}"
+        for key, v in case.items():
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                values[f"{pre}.{key}"] = v
+    values["wall_s"] = sum(case.get("wall_s", 0.0) for case in doc["cases"])
+    return command, values
+
+
 RECIPES: dict[str, Callable[..., tuple[str, dict[str, Any]]]] = {
+    "sweep_conversation": _sweep_conversation,
     "events": _events,
     "fleet_load_weight": _fleet_load_weight,
     "trace_conversation_all": _trace("conversation_trace", None),
