@@ -18,6 +18,7 @@ from typing import Any
 from kvreuse.core import KVCacheManager
 from kvreuse.deployment import Deployment
 from kvreuse.sched import FakeEngine, Scheduler, Seq
+from kvreuse.sim.blockchains import BlockChains
 from kvreuse.sim.cost import CostMeter, CostModel
 from kvreuse.sim.feed import Feeder
 from kvreuse.sim.tally import Tally
@@ -107,7 +108,7 @@ class _Run:
         self.mgr = KVCacheManager(replace(geo.cache, enable_events=False))
         self.meter = CostMeter(engine, cost)
         self.sched = Scheduler(self.mgr, self.meter, geo.sched)
-        self.feeder = Feeder(workload, geo.max_model_len)
+        self.feeder = Feeder(workload, geo.max_model_len, BlockChains(self.mgr.hasher, workload))
         self.workload, self.cost, self.sink = workload, cost, sink
         self.tally = Tally()
         self.first_admitted: dict[str, float] = {}
