@@ -190,7 +190,8 @@ class Chain:
         hashes the units after them."""
         if len(self.hashes) != 1:
             raise ValueError("adopt: the chain has hashed units already; adopt on a new chain")
-        self.hashes = [self.template.root, *hashes]
+        self.hashes = [self.template.root]
+        self.hashes += hashes
         self.num_units = len(hashes)
 
     def _xenc(self, k: int) -> bytes:

@@ -13,10 +13,12 @@ the paths already hashed, and hashes only the paths no request hashed before it 
 replica's own hasher, so the digests are the ones its tokens give). A path's digests are kept
 while a request that will read it has not arrived, and dropped when its last reader has them:
 what is held follows what is still to come, not the trace's length. The core takes the digests
-as `Request.prefix_hashes` and hashes the units after them from the tokens.
+as `Request.prefix_hashes` and hashes the units after them from the tokens (none, when the
+prompt had a block to hash here: its chain is then hashed to the end in the same pass).
 
 Only a prompt that starts with a `blocks` part takes part (`{"blocks": …}`, or a `concat` whose
-first part is one); its cut last block, and whatever follows the blocks, are hashed from tokens.
+first part is one); its cut last block and whatever follows the blocks are never filed (they are
+the request's own).
 """
 
 from __future__ import annotations
@@ -101,12 +103,14 @@ class BlockChains:
         self._readers.append(0)
         return len(self._readers) - 1
 
-    def prefix(self, w: WorkloadRequest, tokens: Sequence[int]) -> tuple[bytes, ...]:
-        """H[1] … H[k] of request `w`'s prompt `tokens`: every unit that ends within its
-        complete leading blocks (empty when its prompt has none). Each request asks once."""
+    def prefix(self, w: WorkloadRequest, tokens: Sequence[int]) -> list[bytes]:
+        """H[1] … H[k] of request `w`'s prompt `tokens`: at least every unit that ends within
+        its complete leading blocks (empty when its prompt has none), and the whole chain when
+        some of those blocks had to be hashed (hashing on to the end costs no second pass).
+        Each request asks once."""
         blocks = leading_blocks(w.prompt)
         if blocks is None:
-            return ()
+            return []
         path = self._path(w, blocks, create=False)
         digests: list[bytes] = []
         held, known = self._digests, 0
@@ -115,14 +119,14 @@ class BlockChains:
             known += 1
         self.num_reused_blocks += known
         if known < len(path):
-            self._hash(w, tokens, blocks["block_tokens"], path, known, digests)
+            digests = self._hash(w, tokens, blocks["block_tokens"], path, known, digests)
         readers, table = self._readers, self._nodes
         for key, node in path:
             readers[node] -= 1
             if not readers[node]:  # its last reader: nobody asks for this path again
                 held.pop(node, None)
                 del table[key]
-        return tuple(digests)
+        return digests
 
     def _hash(
         self,
@@ -132,23 +136,23 @@ class BlockChains:
         path: list[tuple[int, int]],
         known: int,
         digests: list[bytes],
-    ) -> None:
-        """Hash blocks `known` … of the path after the digests of the ones before, append their
-        units to `digests`, and keep each block's units for the requests that read it later."""
+    ) -> list[bytes]:
+        """The prompt's chain after the digests of blocks before `known`; keeps the units of
+        each block from `known` on for the requests that read it later."""
         u, la = self.hasher.hash_unit, self.hasher.lookahead
         chain = self.hasher.chain(lora=w.lora, cache_salt=w.cache_salt)
         chain.adopt(digests)
-        chain.extend(tokens[: len(path) * size])
+        chain.extend(tokens)
         hashes, readers, held = chain.hashes, self._readers, self._digests
         for j in range(known, len(path)):
-            lo = max(0, (j * size - la) // u)  # the units ending in block j: lo + 1 … hi
-            hi = max(0, ((j + 1) * size - la) // u)
-            units = tuple(hashes[lo + 1 : hi + 1])
-            digests += units
             node = path[j][1]
             if readers[node] > 1:  # a request after this one reads it
-                held[node] = units
+                lo = max(0, (j * size - la) // u)  # the units ending in block j: lo + 1 … hi
+                hi = max(0, ((j + 1) * size - la) // u)
+                held[node] = tuple(hashes[lo + 1 : hi + 1])
         self.num_hashed_blocks += len(path) - known
+        del hashes[0]  # (the root: the chain is done with)
+        return hashes
 
     @property
     def num_held(self) -> int:

@@ -104,11 +104,11 @@ class Arrivals:
         self.check_length(w, len(tokens))
         return tokens
 
-    def prefix(self, i: int, tokens: array.array[int]) -> tuple[bytes, ...]:
+    def prefix(self, i: int, tokens: array.array[int]) -> list[bytes]:
         """The chain digests request i's prompt `tokens` starts with, from its trace blocks
         (empty without `chains`); asked once per request."""
         if self.chains is None:
-            return ()
+            return []
         return self.chains.prefix(self.workload[i], tokens)
 
     def finished(self, seq: Seq, clock: float) -> None:

@@ -34,9 +34,7 @@ class FleetFeeder(Arrivals):
         """Every request was released to the router."""
         return self.num_released == len(self.workload)
 
-    def release(
-        self, clock: float
-    ) -> Iterator[tuple[int, float, array.array[int], tuple[bytes, ...]]]:
+    def release(self, clock: float) -> Iterator[tuple[int, float, array.array[int], list[bytes]]]:
         """(workload index, ready since, tokens, the digests they start with) of each request
         ready at `clock`, in workload order."""
         for i, since in self.due(clock):
