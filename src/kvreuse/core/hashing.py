@@ -183,6 +183,17 @@ class Chain:
         # the last unit whose X_k differs from _xdef
         self._special_max = max((hi for _, hi, _, _ in self._mm), default=1 if self._salt else 0)
 
+    def adopt(self, hashes: Sequence[bytes]) -> None:
+        """Take ``hashes`` as H[1] … H[k] of a chain that holds only its root: digests a caller
+        computed before with this configuration and the same extra keys, for the same leading
+        tokens (a shared prefix hashed once). They are trusted, not recomputed; `extend` then
+        hashes the units after them."""
+        if len(self.hashes) != 1:
+            raise ValueError("adopt: the chain has hashed units already; adopt on a new chain")
+        self.hashes = [self.template.root]
+        self.hashes += hashes
+        self.num_units = len(hashes)
+
     def _xenc(self, k: int) -> bytes:
         if k > self._special_max:
             return self._xdef

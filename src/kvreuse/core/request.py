@@ -42,6 +42,10 @@ class Request:
     mm_items: Sequence[MultiModalItem] = ()
     cache_salt: str | None = None
     skip_read: bool = False
+    # H[1] … H[k] of this prompt's chain, hashed before by a hasher of the same configuration
+    # with the same extra keys (a simulator's shared trace blocks, a router's chain): trusted,
+    # so the prompt is hashed only past them. k may not exceed the prompt's units.
+    prefix_hashes: Sequence[bytes] = ()
 
 
 # Unsigned array typecodes of at most 4 bytes: every element is an int in [0, 2^32) by type.
@@ -332,6 +336,8 @@ def new_request_state(req: Request, hasher: Hasher) -> RequestState:
     except (TypeError, ValueError) as exc:
         kind = TypeError if isinstance(exc, TypeError) else ValueError
         raise kind(f"request {rid!r}: {exc}") from None
+    if req.prefix_hashes:
+        _adopt(chain, req.prefix_hashes, len(tokens), rid)
     chain.extend(tokens)
     return RequestState(
         request_id=rid,
@@ -342,3 +348,23 @@ def new_request_state(req: Request, hasher: Hasher) -> RequestState:
         mm_items=mm,
         skip_read=bool(req.skip_read),
     )
+
+
+def _adopt(chain: Chain, hashes: Sequence[bytes], num_tokens: int, rid: str) -> None:
+    """`Request.prefix_hashes` into a new chain. They are trusted: only what costs no pass over
+    them is checked (at most a digest per unit of the prompt; the first and the last are digests
+    of the chain's size), since a pass would cost a good part of what they save."""
+    t = chain.template
+    most = max(0, (num_tokens - t.lookahead) // t.hash_unit)
+    if len(hashes) > most:
+        raise ValueError(
+            f"request {rid!r}: prefix_hashes holds {len(hashes)} digests; the prompt has "
+            f"{most} hash units"
+        )
+    size = len(t.root)
+    if not all(type(h) is bytes and len(h) == size for h in (hashes[0], hashes[-1])):
+        raise TypeError(
+            f"request {rid!r}: prefix_hashes must be digests (bytes of {size}) of this "
+            "manager's hasher"
+        )
+    chain.adopt(hashes)

@@ -17,6 +17,7 @@ from typing import Any
 
 from kvreuse.core import Request
 from kvreuse.sched import Scheduler, Seq
+from kvreuse.sim.blockchains import BlockChains
 from kvreuse.sim.workload import WorkloadError, WorkloadRequest, tokens_of
 
 
@@ -35,11 +36,20 @@ def static_length(prompt: Any) -> int | None:
 
 class Arrivals:
     """The workload's requests in arrival order, each due once every request it depends on has
-    finished: the part of feeding that the single simulator and the fleet's share."""
+    finished: the part of feeding that the single simulator and the fleet's share.
 
-    def __init__(self, workload: list[WorkloadRequest], max_model_len: int | None) -> None:
+    With `chains`, a prompt of trace blocks comes with the digests of its complete blocks
+    (`prefix`), each block path hashed once for the whole run (`kvreuse.sim.blockchains`)."""
+
+    def __init__(
+        self,
+        workload: list[WorkloadRequest],
+        max_model_len: int | None,
+        chains: BlockChains | None = None,
+    ) -> None:
         self.workload = workload
         self.max_model_len = max_model_len
+        self.chains = chains
         index = {w.request_id: i for i, w in enumerate(workload)}
         self.index = index
         self.missing = [0] * len(workload)  # dependencies not finished yet
@@ -94,6 +104,13 @@ class Arrivals:
         self.check_length(w, len(tokens))
         return tokens
 
+    def prefix(self, i: int, tokens: array.array[int]) -> list[bytes]:
+        """The chain digests request i's prompt `tokens` starts with, from its trace blocks
+        (empty without `chains`); asked once per request."""
+        if self.chains is None:
+            return []
+        return self.chains.prefix(self.workload[i], tokens)
+
     def finished(self, seq: Seq, clock: float) -> None:
         """`seq` finished at `clock`: keep its tokens if a later prompt quotes them, and make the
         requests that waited for it due."""
@@ -111,8 +128,13 @@ class Arrivals:
 class Feeder(Arrivals):
     """Hands ready requests to one scheduler while its queue is short (the module docstring)."""
 
-    def __init__(self, workload: list[WorkloadRequest], max_model_len: int | None) -> None:
-        super().__init__(workload, max_model_len)
+    def __init__(
+        self,
+        workload: list[WorkloadRequest],
+        max_model_len: int | None,
+        chains: BlockChains | None = None,
+    ) -> None:
+        super().__init__(workload, max_model_len, chains)
         self.ready: deque[tuple[int, float]] = deque()  # (index, ready since), workload order
         self.arrived: dict[str, float] = {}  # handed-over requests: ready since (their arrival)
         self.num_handed = 0
@@ -131,7 +153,14 @@ class Feeder(Arrivals):
         while self.ready and len(sched.waiting) < limit:
             i, since = self.ready.popleft()
             w = self.workload[i]
-            request = Request(w.request_id, self.tokens(i), lora=w.lora, cache_salt=w.cache_salt)
+            tokens = self.tokens(i)
+            request = Request(
+                w.request_id,
+                tokens,
+                lora=w.lora,
+                cache_salt=w.cache_salt,
+                prefix_hashes=self.prefix(i, tokens),
+            )
             sched.add(request, w.max_tokens)
             self.arrived[w.request_id] = since
             self.num_handed += 1

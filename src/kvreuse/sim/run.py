@@ -23,6 +23,7 @@ from typing import Any
 from kvreuse.core import KVCacheManager
 from kvreuse.deployment import Deployment
 from kvreuse.sched import FakeEngine, FastForward, Scheduler, Seq, StepStats
+from kvreuse.sim.blockchains import BlockChains
 from kvreuse.sim.cost import CostMeter, CostModel
 from kvreuse.sim.feed import Feeder
 from kvreuse.sim.tally import Tally
@@ -125,7 +126,7 @@ class _Run:
         self.sched = Scheduler(self.mgr, self.meter, geo.sched)
         script = self.meter.decode_script() if fast_forward else None
         self.fast = None if script is None else FastForward(self.sched, script)
-        self.feeder = Feeder(workload, geo.max_model_len)
+        self.feeder = Feeder(workload, geo.max_model_len, BlockChains(self.mgr.hasher, workload))
         self.workload, self.cost, self.sink = workload, cost, sink
         self.tally = Tally()
         self.first_admitted: dict[str, float] = {}

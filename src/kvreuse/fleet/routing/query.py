@@ -16,11 +16,16 @@ class ChainLike(Protocol):
     hashes: list[bytes]
     num_units: int
 
+    def adopt(self, hashes: Sequence[bytes]) -> None: ...
+
     def extend(self, tokens: Sequence[int]) -> int: ...
 
 
 class ChainHasher(Protocol):
     """What builds a chain: a replica's hasher (`KVCacheManager.hasher`)."""
+
+    hash_unit: int
+    lookahead: int
 
     def chain(
         self,

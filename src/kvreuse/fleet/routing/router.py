@@ -150,8 +150,12 @@ class Router:
         lora: tuple[str, str] | None = None,
         cache_salt: str | None = None,
         mm_items: Sequence[MultiModalItem] = (),
+        prefix_hashes: Sequence[bytes] = (),
     ) -> Query:
-        """Hash a request once, as its replica will (same tokens and extra keys, same chain)."""
+        """Hash a request once, as its replica will (same tokens and extra keys, same chain).
+
+        `prefix_hashes`: the chain's first digests, hashed before with this router's hasher for
+        the same leading tokens and extra keys (trusted, as `Request.prefix_hashes` is)."""
         if not (type(tokens) is array and tokens.typecode == TOKEN_TYPECODE):
             try:
                 tokens = array(TOKEN_TYPECODE, tokens)
@@ -163,6 +167,15 @@ class Router:
             chain = self.hasher.chain(lora=lora, mm_items=mm_items, cache_salt=cache_salt)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"request {request_id!r}: {exc}") from None
+        if prefix_hashes:
+            h = self.hasher
+            most = max(0, (len(tokens) - h.lookahead) // h.hash_unit)
+            if len(prefix_hashes) > most:
+                raise ValueError(
+                    f"request {request_id!r}: {len(prefix_hashes)} prefix hashes for a prompt of "
+                    f"{most} hash units"
+                )
+            chain.adopt(prefix_hashes)
         chain.extend(tokens)
         return Query(request_id, chain, len(tokens), self.geometry.hash_unit)
 

@@ -41,6 +41,7 @@ from kvreuse.fleet.simulation.summary import (
 )
 from kvreuse.fleet.simulation.tier import SharedTier
 from kvreuse.sched import FakeEngine, Scheduler, Seq
+from kvreuse.sim.blockchains import BlockChains
 from kvreuse.sim.cost import CostMeter, CostModel
 from kvreuse.sim.run import SimulationError
 from kvreuse.sim.workload import WorkloadRequest
@@ -135,7 +136,8 @@ class _FleetRun:
         ]
         for rep in self.replicas:
             self.router.add_replica(f"r{rep.index}")
-        self.feeder = FleetFeeder(workload, dep.max_model_len)
+        chains = BlockChains(self.router.hasher, workload)
+        self.feeder = FleetFeeder(workload, dep.max_model_len, chains)
         cap = options.shared_tier_tokens
         self.tier = None if cap is None else SharedTier(dep.cache.geometry, cap)
         self.tally = FleetTally(options.replicas, sink)
@@ -169,15 +171,26 @@ class _FleetRun:
 
     def _route_ready(self, now: float) -> None:
         router, tier = self.router, self.tier
-        for i, since, tokens in self.feeder.release(now):
+        for i, since, tokens, prefix in self.feeder.release(now):
             w = self.workload[i]
             query = router.query(
-                tokens, request_id=w.request_id, lora=w.lora, cache_salt=w.cache_salt
+                tokens,
+                request_id=w.request_id,
+                lora=w.lora,
+                cache_salt=w.cache_salt,
+                prefix_hashes=prefix,
             )
             decision = router.route(query)
             r = decision.index
             rep = self.replicas[r]
-            request = Request(w.request_id, tokens, lora=w.lora, cache_salt=w.cache_salt)
+            # the replica takes the router's chain: the same hasher's, so it hashes nothing again
+            request = Request(
+                w.request_id,
+                tokens,
+                lora=w.lora,
+                cache_salt=w.cache_salt,
+                prefix_hashes=query.chain.hashes[1:],
+            )
             rep.queue.append(_Queued(request, w.max_tokens))
             rep.queue_tokens += len(tokens)
             router.set_load(r, router.load_tokens[r] + len(tokens), router.num_requests[r] + 1)
