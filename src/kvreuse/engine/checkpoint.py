@@ -49,15 +49,18 @@ def load_model(directory: str | Path) -> TinyModel:
         weights = load_file(str(file))
     except (SafetensorError, OSError, ValueError) as exc:
         raise ValueError(f"{file}: corrupt or not a safetensors file ({exc})") from None
-    check_weights(cfg, weights, str(file))
+    check_weights(expected_shapes(cfg), weights, str(file))
     return TinyModel(cfg, {k: v.to(torch.float32) for k, v in weights.items()})
 
 
-def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], where: str) -> None:
-    want = expected_shapes(cfg)
+def check_weights(
+    want: dict[str, tuple[int, ...]], weights: dict[str, torch.Tensor], where: str
+) -> None:
+    """The tensors of a checkpoint are exactly those its config.json implies (`want`: name to
+    shape), each of that shape and of a float type; else one line naming the first offence."""
     missing = sorted(set(want) - set(weights))
     if missing:
-        raise ValueError(f"{where}: missing tensor(s) {missing[:5]} (config.json expects them)")
+        raise ValueError(f"{where}: missing tensor(s) {missing[:5]} (config.json implies them)")
     extra = sorted(set(weights) - set(want))
     if extra:
         raise ValueError(f"{where}: unexpected tensor(s) {extra[:5]} not implied by config.json")

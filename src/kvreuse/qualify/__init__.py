@@ -27,6 +27,7 @@ from kvreuse.qualify.progress import ScenarioProgress
 from kvreuse.qualify.report import print_report, write_report
 from kvreuse.qualify.runner import Client, QualifyError, Runner, UsageError
 from kvreuse.qualify.scenarios import run_all
+from kvreuse.sim.cli import prepare_out
 
 __all__ = [
     "Client",
@@ -95,17 +96,12 @@ def _interrupted(runner: Runner | None, out: str, url: str, seconds: float) -> i
 
 
 def _check_out(out: Path) -> None:
-    """--out must be a directory we can write, checked before the scenarios run."""
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out}: exists and is not a directory")
+    """--out must be a directory we can write, checked before the scenarios run (the simulator's
+    own check, with qualify's file names)."""
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        prepare_out(out, ("qualify.json", "qualify.md"))
     except OSError as exc:
-        raise UsageError(f"--out {out}: cannot create the directory ({exc.strerror})") from None
-    for name in ("qualify.json", "qualify.md"):
-        path = out / name
-        if path.exists() and not path.is_file():
-            raise UsageError(f"--out {out}: {name} exists and is not a file")
+        raise UsageError(str(exc)) from None
 
 
 def _given_geometry(args: argparse.Namespace) -> Deployment:

@@ -24,28 +24,10 @@ the request's own).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
+from kvreuse.core.hashing import Hasher
 from kvreuse.sim.workload import WorkloadRequest
-
-
-class _Chain(Protocol):
-    hashes: list[bytes]
-
-    def adopt(self, hashes: Sequence[bytes]) -> None: ...
-
-    def extend(self, tokens: Sequence[int]) -> int: ...
-
-
-class ChainHasher(Protocol):
-    """A replica's hasher (`KVCacheManager.hasher`): its unit, lookahead and chains."""
-
-    hash_unit: int
-    lookahead: int
-
-    def chain(
-        self, *, lora: tuple[str, str] | None = None, cache_salt: str | None = None
-    ) -> _Chain: ...
 
 
 def leading_blocks(prompt: Any) -> Mapping[str, Any] | None:
@@ -63,7 +45,7 @@ class BlockChains:
     `_readers[node]` counts the requests still to read it. Roots are per block size and extra
     keys (LoRA, salt), since those change every digest."""
 
-    def __init__(self, hasher: ChainHasher, workload: Sequence[WorkloadRequest]) -> None:
+    def __init__(self, hasher: Hasher, workload: Sequence[WorkloadRequest]) -> None:
         self.hasher = hasher
         self._roots: dict[tuple[Any, ...], int] = {}
         self._nodes: dict[int, int] = {}

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvreuse.engine.hf.base import Family, HFModel, check_weights, load_weights
+from kvreuse.engine.checkpoint import check_weights
+from kvreuse.engine.hf.base import Family, HFModel, load_weights
 from kvreuse.hfconfig import is_hf_config, model_spec, read_config
 
 

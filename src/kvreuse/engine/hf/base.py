@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -90,6 +89,37 @@ class Family:
         return out
 
 
+def attention_shapes(
+    a: str,
+    d: int,
+    heads: tuple[int, int, int],
+    *,
+    gated: bool = False,
+    out: str = "o_proj",
+    norm: str = "norm",
+    bias: bool = False,
+) -> dict[str, tuple[int, ...]]:
+    """The weights of a grouped-query attention block `a` with per-head q and k norms:
+    `heads` is (query heads, key/value heads, head dim); `gated` doubles q_proj's rows (a
+    per-head output gate rides on the queries); `out` and `norm` name the output projection and
+    the norms' suffix as the family spells them; `bias` adds the projections' biases."""
+    nh, nkv, hd = heads
+    q = (2 if gated else 1) * nh * hd
+    shapes: dict[str, tuple[int, ...]] = {
+        f"{a}.q_proj.weight": (q, d),
+        f"{a}.k_proj.weight": (nkv * hd, d),
+        f"{a}.v_proj.weight": (nkv * hd, d),
+        f"{a}.{out}.weight": (d, nh * hd),
+        f"{a}.q_{norm}.weight": (hd,),
+        f"{a}.k_{norm}.weight": (hd,),
+    }
+    if bias:
+        for name, size in (("q", q), ("k", nkv * hd), ("v", nkv * hd)):
+            shapes[f"{a}.{name}_proj.bias"] = (size,)
+        shapes[f"{a}.{out}.bias"] = (d,)
+    return shapes
+
+
 class HFModel:
     def __init__(self, spec: ModelSpec, family: Family, name: str) -> None:
         self.spec = spec
@@ -139,18 +169,3 @@ def load_weights(directory: Path) -> dict[str, Tensor]:
         except (SafetensorError, OSError, ValueError) as exc:
             raise ValueError(f"{f}: missing, corrupt or not a safetensors file ({exc})") from None
     return {k: v.to(torch.float32) for k, v in weights.items()}
-
-
-def check_weights(want: dict[str, tuple[int, ...]], w: dict[str, Any], where: str) -> None:
-    missing = sorted(set(want) - set(w))
-    if missing:
-        raise ValueError(f"{where}: missing tensor(s) {missing[:5]} (config.json implies them)")
-    extra = sorted(set(w) - set(want))
-    if extra:
-        raise ValueError(f"{where}: unexpected tensor(s) {extra[:5]} not implied by config.json")
-    for name, shape in want.items():
-        if tuple(w[name].shape) != shape:
-            raise ValueError(
-                f"{where}: tensor {name} has shape {tuple(w[name].shape)}, "
-                f"config.json implies {shape}"
-            )

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvreuse.engine.hf.base import Family
+from kvreuse.engine.hf.base import Family, attention_shapes
 from kvreuse.engine.hf.ops import apply_rope, attend, rms_norm, rope_tables
 from kvreuse.engine.model import Context
 from kvreuse.hfconfig import ModelSpec
@@ -60,16 +60,9 @@ class Gemma3(Family):
             p = f"model.layers.{i}"
             for norm in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
                 out[f"{p}.{norm}_layernorm.weight"] = (d,)
-            a = f"{p}.self_attn"
-            out[f"{a}.q_proj.weight"] = (nh * hd, d)
-            out[f"{a}.k_proj.weight"] = (nkv * hd, d)
-            out[f"{a}.v_proj.weight"] = (nkv * hd, d)
-            out[f"{a}.o_proj.weight"] = (d, nh * hd)
-            out[f"{a}.q_norm.weight"] = (hd,)
-            out[f"{a}.k_norm.weight"] = (hd,)
-            if c.get("attention_bias"):
-                for name, size in (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd), ("o", d)):
-                    out[f"{a}.{name}_proj.bias"] = (size,)
+            heads = (nh, nkv, hd)
+            bias = bool(c.get("attention_bias"))
+            out.update(attention_shapes(f"{p}.self_attn", d, heads, bias=bias))
             out[f"{p}.mlp.gate_proj.weight"] = (m, d)
             out[f"{p}.mlp.up_proj.weight"] = (m, d)
             out[f"{p}.mlp.down_proj.weight"] = (d, m)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from kvreuse.engine.hf.base import Family
+from kvreuse.engine.hf.base import Family, attention_shapes
 from kvreuse.engine.hf.ops import (
     apply_rope,
     attend,
@@ -64,13 +64,9 @@ class Lfm2(Family):
                     out[f"{p}.conv.in_proj.bias"] = (3 * d,)
                     out[f"{p}.conv.out_proj.bias"] = (d,)
             else:
+                heads = (nh, nkv, hd)
                 a = f"{p}.self_attn"
-                out[f"{a}.q_proj.weight"] = (nh * hd, d)
-                out[f"{a}.k_proj.weight"] = (nkv * hd, d)
-                out[f"{a}.v_proj.weight"] = (nkv * hd, d)
-                out[f"{a}.out_proj.weight"] = (d, nh * hd)
-                out[f"{a}.q_layernorm.weight"] = (hd,)
-                out[f"{a}.k_layernorm.weight"] = (hd,)
+                out.update(attention_shapes(a, d, heads, out="out_proj", norm="layernorm"))
         return out
 
     def _norm(self, name: str, x: Tensor) -> Tensor:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvreuse.engine.hf.base import Family
+from kvreuse.engine.hf.base import Family, attention_shapes
 from kvreuse.engine.hf.ops import (
     apply_rope,
     attend,
@@ -78,17 +78,9 @@ class Qwen3Next(Family):
                 out[f"{a}.norm.weight"] = (dv,)
                 out[f"{a}.out_proj.weight"] = (d, hv * dv)
             else:
-                a = f"{p}.self_attn"
-                out[f"{a}.q_proj.weight"] = (2 * nh * hd, d)
-                out[f"{a}.k_proj.weight"] = (nkv * hd, d)
-                out[f"{a}.v_proj.weight"] = (nkv * hd, d)
-                out[f"{a}.o_proj.weight"] = (d, nh * hd)
-                out[f"{a}.q_norm.weight"] = (hd,)
-                out[f"{a}.k_norm.weight"] = (hd,)
-                if c.get("attention_bias"):
-                    for name, size in (("q", 2 * nh * hd), ("k", nkv * hd), ("v", nkv * hd)):
-                        out[f"{a}.{name}_proj.bias"] = (size,)
-                    out[f"{a}.o_proj.bias"] = (d,)
+                bias = bool(c.get("attention_bias"))
+                heads = (nh, nkv, hd)
+                out.update(attention_shapes(f"{p}.self_attn", d, heads, gated=True, bias=bias))
             out.update(self._ffn_shapes(i, f"{p}.mlp"))
         return out
 

@@ -3,37 +3,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Protocol
 
-from kvreuse.core import Geometry, MultiModalItem
+from kvreuse.core import Geometry
+from kvreuse.core.hashing import Chain
 from kvreuse.events import ReplicaMirror, hash64
-
-
-class ChainLike(Protocol):
-    """A request's hash chain as the core builds it (`[H[0], …, H[n]]`, extended by tokens)."""
-
-    hashes: list[bytes]
-    num_units: int
-
-    def adopt(self, hashes: Sequence[bytes]) -> None: ...
-
-    def extend(self, tokens: Sequence[int]) -> int: ...
-
-
-class ChainHasher(Protocol):
-    """What builds a chain: a replica's hasher (`KVCacheManager.hasher`)."""
-
-    hash_unit: int
-    lookahead: int
-
-    def chain(
-        self,
-        *,
-        lora: tuple[str, str] | None = None,
-        mm_items: Sequence[MultiModalItem] = (),
-        cache_salt: str | None = None,
-    ) -> ChainLike: ...
 
 
 class Query:
@@ -45,7 +19,7 @@ class Query:
 
     __slots__ = ("_keys", "chain", "num_tokens", "request_id", "top", "unit")
 
-    def __init__(self, request_id: str, chain: ChainLike, num_tokens: int, unit: int) -> None:
+    def __init__(self, request_id: str, chain: Chain, num_tokens: int, unit: int) -> None:
         self.request_id = request_id
         self.chain = chain
         self.num_tokens = num_tokens

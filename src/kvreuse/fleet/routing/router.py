@@ -36,11 +36,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvreuse.core import TOKEN_TYPECODE, CacheConfig, Geometry, KVCacheManager, MultiModalItem
+from kvreuse.core.hashing import Hasher
 from kvreuse.events import ReplicaMirror, attention_group
 from kvreuse.events.wire import WireEvent
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT
 from kvreuse.fleet.routing.policy import Policy, make_policy
-from kvreuse.fleet.routing.query import ChainHasher, Query
+from kvreuse.fleet.routing.query import Query
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +66,7 @@ class Decision:
         return None if self.predicted is None else self.predicted[self.index]
 
 
-def chain_hasher(config: CacheConfig) -> ChainHasher:
+def chain_hasher(config: CacheConfig) -> Hasher:
     """The hasher a replica of `config` hashes requests with (algorithm, unit, lookahead, seed),
     from a manager of the same configuration shrunk to two blocks: the hasher depends on none of
     the sizes, and a router should not allocate a replica's pool to hash."""
