@@ -42,6 +42,7 @@ from kvreuse.core.config import CacheConfig, Geometry, GroupGeometry, GroupSpec
 from kvreuse.core.encoding import TOKEN_TYPECODE
 from kvreuse.core.errors import ConfigError, InvariantError, StaleLookupError, UnknownRequestError
 from kvreuse.core.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, StoredEntry
+from kvreuse.core.hashing import Chain, Hasher
 from kvreuse.core.kinds import (
     EntryKind,
     PagedGroup,
@@ -68,6 +69,7 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "CacheConfig",
+    "Chain",
     "ConfigError",
     "Copy",
     "Deferral",
@@ -77,6 +79,7 @@ __all__ = [
     "Geometry",
     "GroupGeometry",
     "GroupSpec",
+    "Hasher",
     "IndexView",
     "InvariantError",
     "KVCacheManager",

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from kvreuse.core import Geometry
-from kvreuse.core.hashing import Chain
+from kvreuse.core import Chain, Geometry
 from kvreuse.events import ReplicaMirror, hash64
 
 

@@ -35,8 +35,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvreuse.core import TOKEN_TYPECODE, CacheConfig, Geometry, KVCacheManager, MultiModalItem
-from kvreuse.core.hashing import Hasher
+from kvreuse.core import (
+    TOKEN_TYPECODE,
+    CacheConfig,
+    Geometry,
+    Hasher,
+    KVCacheManager,
+    MultiModalItem,
+)
 from kvreuse.events import ReplicaMirror, attention_group
 from kvreuse.events.wire import WireEvent
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT
