@@ -21,11 +21,11 @@ its request when [T, T + 1 + s] holds a *mark*: a multiple of the hash unit or o
 page (a page is added when the step's end passes one; units are published, and rolling, dense
 and planned saves sit, on unit boundaries), a position where the chain completes a unit
 (T′ ≡ L − 1 mod u with L lookahead tokens: on a hybrid it moves the held states, with L ≥ 2 what
-a commit publishes), or one where a sliding window drops a page (T′ ≡ W − 1 mod B); or when the
-request finishes in it (max_tokens, a stop token). Marks may flag steps that
-turn out quiet; that costs a plan, never a difference. With drafts, each step's acceptance is
-drawn from the engine's own generator for (request, position), the same draw the step-by-step
-engine makes, so the trajectory of T is known ahead.
+a commit publishes), or one where a commit may free a page (the group's `free_marks`: T′ ≡ W − 1
+mod B for a sliding window); or when the request finishes in it (max_tokens, a stop token).
+Marks may flag steps that turn out quiet; that costs a plan, never a difference. With drafts,
+each step's acceptance is drawn from the engine's own generator for (request, position), the
+same draw the step-by-step engine makes, so the trajectory of T is known ahead.
 
 A request still prefilling (a chunk each step, sized by the scheduler's own rule) or computing
 its last prompt token has an event in every step. A step that can admit runs the scheduler's
@@ -81,8 +81,7 @@ def marks(geometry: Any) -> list[tuple[int, int]]:
         out.add((u, (lookahead - 1) % u))
     for g in geometry.groups:
         out.add((g.page_size, 0))
-        if g.kind == "sliding":
-            out.add((g.page_size, (g.window - 1) % g.page_size))
+        out.update(g.free_marks())
     # a position ≡ r mod m is ≡ r mod m2 for every divisor m2 of m: keep the coarsest pairs
     return sorted(
         (m, r)

@@ -22,8 +22,7 @@ def min_blocks(geo: Geometry, num_tokens: int) -> int:
     """The scheduler's lower bound of the blocks a request computing `num_tokens` holds at
     once: every page of a full-attention group, one page of a window group, a recurrent
     group's live state and scratch (`Scheduler.min_blocks`)."""
-    fixed = sum(1 if g.is_attention else 1 + g.scratch for g in geo.groups if g.kind != "full")
-    return fixed + sum(-(-num_tokens // g.page_size) for g in geo.groups if g.kind == "full")
+    return sum(g.min_blocks_held(num_tokens) for g in geo.groups)
 
 
 @dataclass(frozen=True)

@@ -170,6 +170,12 @@ class GroupGeometry:
         """Tokens the kind's attention reaches back (0: everything, or no attention)."""
         return 0
 
+    def free_marks(self) -> tuple[tuple[int, int], ...]:
+        """(modulus, residue) pairs: a commit up to a position T′ ≡ residue (mod modulus) may
+        free a page of this group (`frees_pages` kinds; none otherwise). The scheduler's
+        fast-forward treats such a step as one where something happens."""
+        return ()
+
     def blocks_held(self, num_tokens: int, kappa: int) -> int:
         """An upper bound of the blocks a request of `num_tokens` slots holds in this group
         (save blocks excluded)."""

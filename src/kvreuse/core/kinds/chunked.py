@@ -48,3 +48,7 @@ class ChunkedLocal(PagedGroup):
 
     def reach(self) -> int:
         return self.chunk  # type: ignore[return-value]  # set by V3
+
+    def free_marks(self) -> tuple[tuple[int, int], ...]:
+        """A chunk's pages are freed once a new chunk starts: x ≡ 0 mod C (a page start)."""
+        return ((self.chunk, 0),)  # type: ignore[return-value]  # set by V3

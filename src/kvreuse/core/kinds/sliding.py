@@ -38,6 +38,10 @@ class SlidingWindow(PagedGroup):
     def reach(self) -> int:
         return self.window  # type: ignore[return-value]  # set by V3
 
+    def free_marks(self) -> tuple[tuple[int, int], ...]:
+        """Page p leaves every later window once x − W + 1 reaches (p + 1)·B: x ≡ W − 1 mod B."""
+        return ((self.page_size, (self.window - 1) % self.page_size),)  # type: ignore[operator]
+
     def probe(self, keys: Container[bytes], hashes: list[bytes], u: int, nu: int) -> Probe:
         return SlidingProbe(self, keys, hashes, u, nu)
 
