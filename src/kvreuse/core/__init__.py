@@ -62,9 +62,11 @@ from kvreuse.core.plan import Copy, RecurrentSlot, RequestPlan, Save, StepPlan
 from kvreuse.core.policy import EvictionPolicy, LRUPolicy, PoolView
 from kvreuse.core.request import Deferral, MultiModalItem, Request, SavePurpose
 from kvreuse.core.savepoints import finish_point, replay_point
+from kvreuse.core.tiers import Admission, Demote, Load, Move, TierOp, TierSpec
 
 __all__ = [
     "TOKEN_TYPECODE",
+    "Admission",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -73,6 +75,7 @@ __all__ = [
     "ConfigError",
     "Copy",
     "Deferral",
+    "Demote",
     "EntryKind",
     "Event",
     "EvictionPolicy",
@@ -84,7 +87,9 @@ __all__ = [
     "InvariantError",
     "KVCacheManager",
     "LRUPolicy",
+    "Load",
     "LookupResult",
+    "Move",
     "MultiModalItem",
     "Outcome",
     "PagedGroup",
@@ -104,6 +109,8 @@ __all__ = [
     "StepFate",
     "StepPlan",
     "StoredEntry",
+    "TierOp",
+    "TierSpec",
     "UnknownRequestError",
     "compute_lookup",
     "describe_core_path",

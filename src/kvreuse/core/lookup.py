@@ -83,6 +83,9 @@ class LookupResult:
     # pending_bounds[2] > bounds[2] says another request is computing more of this prefix in the
     # non-recurrent groups, even when no state will be saved there.
     pending_bounds: tuple[int, int, int, int] = (0, 0, 0, 0)
+    # (group id, tier, slot) of each block of the hit held only in a tier below the pool: the
+    # load plan (kvreuse.core.tier_lookup). Such a block's slot entry is a virtual id below 0.
+    loads: tuple[tuple[int, int, int], ...] = ()
 
     def explain(self) -> str:
         """Human-readable account of the hit (format not normative)."""
@@ -104,6 +107,8 @@ class LookupResult:
         for gid, src in sorted(self.state_src.items()):
             if src is not None:
                 lines.append(f"  group {gid}: state at {self.hit} copied from block {src}")
+        if self.loads:
+            lines.append(f"  {len(self.loads)} block(s) of the hit are loaded from a tier")
         if self.pending_hit > self.hit:
             lines.append(f"  pending_hit {self.pending_hit}: another request is computing more")
         return "\n".join(lines)

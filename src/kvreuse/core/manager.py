@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from kvreuse.core.allocate import (
@@ -30,21 +31,23 @@ from kvreuse.core.commit import (
 )
 from kvreuse.core.config import CacheConfig
 from kvreuse.core.errors import StaleLookupError, UnknownRequestError
-from kvreuse.core.events import Event, EventLog
+from kvreuse.core.events import EventLog
 from kvreuse.core.hashing import Hasher
 from kvreuse.core.invariants import audit
 from kvreuse.core.ledger import PlanRecord, StepFate, StepLedger
 from kvreuse.core.lookup import LookupResult, compute_lookup
-from kvreuse.core.metrics import RequestStats, count_admission, new_counters, snapshot
+from kvreuse.core.metrics import RequestStats, count_admission, new_counters
+from kvreuse.core.observe import Observed
 from kvreuse.core.plan import RequestPlan, StepPlan
 from kvreuse.core.pool import BlockPool
 from kvreuse.core.request import Deferral, Phase, Request, RequestState, new_request_state
 from kvreuse.core.rules import check_allocate, plain_growth
-from kvreuse.core.savepoints import planned_positions, replay_point, save_positions
-from kvreuse.core.views import describe, export_entries, export_ghost
+from kvreuse.core.savepoints import planned_positions, save_positions
+from kvreuse.core.tier_lookup import TierLoads, TierView, device_hits, tier_sources
+from kvreuse.core.tiers import TierSpec, TierStack
 
 
-class KVCacheManager:
+class KVCacheManager(Observed):
     """Prefix-cache manager over one block pool shared by every group (spec §3).
 
     It owns the registered requests and the epoch, and delegates: blocks and keys to the
@@ -52,9 +55,13 @@ class KVCacheManager:
     and commit to their modules, each given only the owners it uses.
     """
 
-    def __init__(self, config: CacheConfig) -> None:
+    def __init__(self, config: CacheConfig, tiers: Sequence[TierSpec] = ()) -> None:
+        """`tiers`: memory below the pool, in order (kvreuse.core.tiers); none by default."""
         if not isinstance(config, CacheConfig):
             raise TypeError(f"KVCacheManager needs a CacheConfig, got {type(config).__name__}")
+        for spec in tiers:
+            if not isinstance(spec, TierSpec):
+                raise TypeError(f"tiers must be TierSpec objects, got {type(spec).__name__}")
         self.config = config
         self.geo = config.geometry
         self.events = EventLog(config.enable_events, config.max_pending_events)
@@ -69,6 +76,11 @@ class KVCacheManager:
         self.cow: Counter[str] = Counter()
         self.epoch = 0
         self._finished: OrderedDict[str, RequestStats] = OrderedDict()
+        self.tiers = TierStack(tiers, [g.kind for g in self.geo.groups])
+        self._view = TierView(self.pool, self.tiers) if tiers else self.pool
+        if tiers:
+            self.pool.on_evict = self.tiers.demote
+        self.loads = TierLoads(self.pool, self.tiers)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: Request) -> None:
@@ -98,9 +110,9 @@ class KVCacheManager:
             )
         # Keys uncommitted plans would publish (7.8), built only when such plans exist.
         pending = self.ledger.pending_keys() if self.geo.caching_enabled else None
-        return compute_lookup(
+        res = compute_lookup(
             self.geo,
-            self.pool,
+            self._view,
             st.request_id,
             st.chain,
             len(st.tokens),
@@ -108,6 +120,11 @@ class KVCacheManager:
             pending=pending,
             epoch=self.epoch,
         )
+        if self.tiers:
+            loads = tier_sources(res)
+            if loads:
+                return replace(res, loads=tuple(loads))
+        return res
 
     def _check_alloc(
         self, req_id: str, num_new_tokens: int, lookup: LookupResult | None, num_extra_slots: int
@@ -162,10 +179,18 @@ class KVCacheManager:
             assert lookup is not None
             hits = hit_blocks(lookup)  # counted and then adopted: computed once
             end = lookup.hit + num_new_tokens
+            if lookup.loads:  # a fresh block per tier block, popped before the admission's
+                hits = device_hits(hits)
             need = admission_required(geo, pool, lookup, end, num_extra_slots, hits)
-            if need > free - self.config.admission_watermark_blocks:
+            if need + len(lookup.loads) > free - self.config.admission_watermark_blocks:
                 return None
-            rec = admit(geo, pool, self.counters, st, lookup, num_new_tokens, num_extra_slots, hits)
+            res = lookup
+            if lookup.loads:
+                pool.adopt_many(hits)  # before the loads' pops, which must not evict them
+                res, hits = self.loads.begin(lookup), []
+            rec = admit(geo, pool, self.counters, st, res, num_new_tokens, num_extra_slots, hits)
+            if lookup.loads:
+                self.loads.note(rec)
             count_admission(self.counters, self.reasons, st, lookup.hit, lookup.reason)
         else:
             rec = grow(geo, pool, self.counters, st, num_new_tokens, num_extra_slots)
@@ -232,7 +257,8 @@ class KVCacheManager:
         """Close the open step: its plans, in allocation order."""
         step_id, recs = self.ledger.seal()
         plans = [r.plan for r in recs]
-        return StepPlan(step_id, plans, [c for p in plans for c in p.copies])
+        ops = self.tiers.take_ops() if self.tiers else []
+        return StepPlan(step_id, plans, [c for p in plans for c in p.copies], ops)
 
     def commit(self, step_id: int, outcomes: Mapping[str, Any]) -> None:
         """The step's forward finished: publish what it computed (spec §10).
@@ -254,6 +280,8 @@ class KVCacheManager:
     def _commit(self, step_id: int, parsed: list[tuple[PlanRecord, Checked]]) -> None:
         recs = self.ledger.settle(step_id, StepFate.COMMITTED)
         apply, geo, pool, counters = apply_commit, self.geo, self.pool, self.counters
+        if self.loads:
+            self.loads.publish(recs)
         for rec, outcome in parsed:
             apply(geo, pool, counters, rec, outcome)
         if len(parsed) < len(recs):  # else no record was withdrawn or deferred
@@ -265,6 +293,8 @@ class KVCacheManager:
         if not self.ledger.check(step_id, "discard"):
             return
         recs = self.ledger.settle(step_id, StepFate.DISCARDED)
+        if self.loads:
+            self.loads.drop(recs)  # never keyed: released as fresh blocks
         self._settle_deferred(recs, discard=True)
         self.epoch += 1
 
@@ -282,6 +312,8 @@ class KVCacheManager:
     # ------------------------------------------------------------------ release
     def _release(self, st: RequestState, dropped: list[PlanRecord], then: Deferral) -> None:
         release_request(self.geo, self.pool, self.counters, st, dropped)
+        if self.loads:
+            self.loads.drop(dropped)  # its loaded blocks went back unkeyed
         self.ledger.forget(st)
         st.release(Phase.FINISHED if then is Deferral.FINISH else Phase.WAITING)
         if then is Deferral.FINISH:
@@ -336,33 +368,6 @@ class KVCacheManager:
         self.pool.evict(block_id)
         self.epoch += 1
 
-    # ------------------------------------------------------------------ observation
-    def _stats(self, st: RequestState) -> RequestStats:
-        return RequestStats(
-            st.request_id, st.first_hit, st.first_reason, st.admissions, st.last_hit, st.last_reason
-        )
-
-    def request_stats(self, req_id: str) -> RequestStats:
-        st = self.requests.get(req_id)
-        if st is not None:
-            return self._stats(st)
-        if req_id in self._finished:
-            return self._finished[req_id]
-        raise UnknownRequestError(f"request_stats: unknown or forgotten request {req_id!r}")
-
-    def metrics(self) -> dict[str, Any]:
-        return snapshot(
-            self.geo, self.pool, self.counters, self.reasons, self.cow, self.events.dropped
-        )
-
-    def take_events(self) -> list[Event]:
-        return self.events.take(self.geo)
-
-    def set_event_log(self, enabled: bool) -> None:
-        """Record events (spec §13) or not, whatever `enable_events` said: a server records only
-        while something publishes them. Turning it off drops what is pending."""
-        self.events.set_enabled(enabled)
-
     def save_positions(self, req_id: str, lookup: LookupResult | None = None) -> list[int]:
         """Positions where the request still wants a recurrent state (spec §9.4): a scheduler
         ends prefill chunks there. A waiting request needs the lookup it will be admitted with."""
@@ -384,23 +389,7 @@ class KVCacheManager:
         positions = self.save_positions(req_id, lookup)
         return positions[0] if positions else None
 
-    def describe(self, req_id: str | None = None) -> str:
-        if req_id is None:
-            return describe(self.geo, self.pool, self.metrics(), None, [])
-        st = self._get(req_id, "describe")
-        wanted = self.save_positions(req_id) if st.phase is Phase.RUNNING else []
-        return describe(self.geo, self.pool, self.metrics(), st, wanted)
-
-    def export_entries(self) -> list[tuple[int, int, bytes, str, int]]:
-        return export_entries(self.pool)
-
-    def export_ghost(self) -> list[tuple[int, int, bytes]]:
-        return export_ghost(self.pool)
-
     def check_invariants(self) -> None:
         """A from-scratch audit of spec §14 (slow); raises InvariantError naming the broken one."""
         audit(self.geo, self.pool, self.requests.values(), self.ledger)
-
-    def replay_point(self, prompt_len: int) -> int:
-        """ρ(P) of this geometry (spec §8): the hit of an identical resend."""
-        return replay_point(self.geo, prompt_len)
+        self.tiers.audit()

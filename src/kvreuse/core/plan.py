@@ -2,7 +2,7 @@
 
     allocate ─► RequestPlan ─┐
     allocate ─► RequestPlan ─┼─► seal_step() ─► StepPlan(step_id, requests, copies)
-    allocate ─► RequestPlan ─┘                  engine: copies first (E1), then the forward
+    allocate ─► RequestPlan ─┘                  engine: tier ops, copies (E1), the forward
 
 Plans are snapshots: tables are copied when the plan is built, so later growth of the
 request never changes a plan the engine already holds.
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
+
+from kvreuse.core.tiers import TierOp
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,11 +70,16 @@ class RequestPlan:
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
-    """Everything the engine needs for one forward. Empty steps need no commit."""
+    """Everything the engine needs for one forward. Empty steps need no commit.
+
+    With memory tiers, `tier_ops` (kvreuse.core.tiers: Demote, Move, Load) run first, in their
+    order, then the copies, then the forward: each op was decided while the bytes it reads
+    were where it names them."""
 
     step_id: int
     requests: list[RequestPlan] = field(default_factory=list)
     copies: list[Copy] = field(default_factory=list)
+    tier_ops: list[TierOp] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.requests)

@@ -27,7 +27,7 @@ sees the same pool on either path.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from kvreuse.core import native
@@ -71,6 +71,11 @@ class BlockPool:
         self.num_evicted_blocks = 0
         self.num_removed_keys = 0
         self.num_published: dict[str, int] = {kind.value: 0 for kind in EntryKind}
+        # Called with (block id, group id, keys) of the keyed blocks an eviction takes, before
+        # they are reused: the tiers below copy them down (kvreuse.core.tiers).
+        self.on_evict: Callable[[list[tuple[int, int, list[tuple[int, bytes]]]]], None] | None = (
+            None
+        )
         self.policy: EvictionPolicy = policy_factory(cfg.eviction_policy)(self)
         self._pop_many = pop_many_of(self.policy)
         # PoolView.release_seq costs 8 bytes a block: kept only for a policy that reads it (a
@@ -316,6 +321,10 @@ class BlockPool:
         index for the ghost record with one BlockRemoved event, in block order and ascending
         boundary within a block.
         """
+        victims = None
+        if self.on_evict is not None:  # tiers below: what each block carried, before it goes
+            blocks = list(blocks)
+            victims = [(b, self.group[b], self.key_list(b)) for b in blocks if self._key1[b]]
         events = self.events.enabled
         gone: list[tuple[int, bytes, int]] | None
         if self._k_evict is not None:  # the kernel also adds the keys to the C ghost record
@@ -328,6 +337,9 @@ class BlockPool:
             num_keys = len(gone)
         if not num_blocks:
             return
+        if victims:
+            assert self.on_evict is not None
+            self.on_evict(victims)
         if events and gone is not None:
             removed, page = self.events.removed, self._full_page
             for gid, key, bd in gone:

@@ -1,0 +1,189 @@
+"""A lookup across the pool and its tiers, and the loads that turn its hit into device blocks.
+
+The lookup rules (kvreuse.core.lookup) read an `IndexView`; `TierView` is one whose index of each
+group is the pool's index, then each tier's in order, a tier entry standing for a *virtual*
+block id below zero:
+
+    virtual id  =  −(1 + t·2³² + slot)      t: the tier, slot: its slot number
+    0           =  NULL (a page the hit does not need), as in the pool's own rows
+
+So the hit is the largest x every group accepts over everything held anywhere, by the same
+rules: a hit whose recurrent state, window page or DCP-sharded page no tier kept is no hit, as
+on the device alone. The slots of such a result name the blocks to adopt and, below zero, the
+tier slots to load. `load_hit` does the loading inside `allocate`: it pins those slots (a
+demotion the loads cause must not evict them), pops one fresh device block per slot and records
+a `Load` for each, then hands `admit` the same result with real block ids: from then on the
+admission is the one it would be had the blocks never left the device. The loaded blocks get
+their keys when the step commits (`publish_loaded`); until then another request that needs the
+same prefix loads its own copy from the tier, which still holds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
+
+from kvreuse.core.ledger import PlanRecord
+from kvreuse.core.lookup import LookupResult
+from kvreuse.core.pool import BlockPool
+from kvreuse.core.tiers import TierStack
+
+_TIER_STRIDE = 1 << 32
+
+
+def virtual_id(t: int, slot: int) -> int:
+    return -(1 + t * _TIER_STRIDE + slot)
+
+
+def source_of(virtual: int) -> tuple[int, int]:
+    """(tier, slot) of a virtual block id."""
+    v = -virtual - 1
+    return v // _TIER_STRIDE, v % _TIER_STRIDE
+
+
+class _Layered(Mapping[bytes, int]):
+    """One group's keys: the pool's index first, then each tier's (as virtual ids)."""
+
+    __slots__ = ("device", "tiers")
+
+    def __init__(self, device: Mapping[bytes, int], tiers: list[Mapping[bytes, int]]) -> None:
+        self.device, self.tiers = device, tiers
+
+    def get(self, key: bytes, default: int | None = None) -> int | None:  # type: ignore[override]
+        blk = self.device.get(key)
+        if blk is not None:
+            return blk
+        for t, idx in enumerate(self.tiers):
+            slot = idx.get(key)
+            if slot is not None:
+                return virtual_id(t, slot)
+        return default
+
+    def __getitem__(self, key: bytes) -> int:
+        blk = self.get(key)
+        if blk is None:
+            raise KeyError(key)
+        return blk
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.device or any(key in idx for idx in self.tiers)
+
+    def __iter__(self) -> Iterator[bytes]:
+        seen = set(self.device)
+        yield from self.device
+        for idx in self.tiers:
+            for key in idx:
+                if key not in seen:
+                    seen.add(key)
+                    yield key
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+class TierView:
+    """An IndexView over the pool and its tiers (the module docstring)."""
+
+    def __init__(self, pool: BlockPool, tiers: TierStack) -> None:
+        self.pool = pool
+        self.index: list[_Layered] = [
+            _Layered(pool.index[gid], [tier.index[gid] for tier in tiers.tiers])
+            for gid in range(len(pool.index))
+        ]
+
+    def in_ghost(self, group_id: int, key: bytes) -> bool:
+        return self.pool.in_ghost(group_id, key)
+
+
+def tier_sources(res: LookupResult) -> list[tuple[int, int, int]]:
+    """(group id, tier, slot) of every block of the hit that must be loaded, in group order
+    and, within a group, table order (the recurrent source last)."""
+    out: list[tuple[int, int, int]] = []
+    for gid in sorted(set(res.slots) | set(res.state_src)):
+        for blk in res.slots.get(gid, ()):
+            if blk < 0:
+                out.append((gid, *source_of(blk)))
+        src = res.state_src.get(gid)
+        if src is not None and src < 0:
+            out.append((gid, *source_of(src)))
+    return out
+
+
+def device_hits(blocks: Sequence[int]) -> list[int]:
+    return [b for b in blocks if b > 0]
+
+
+Loaded = list[tuple[int, int, list[tuple[int, bytes]]]]  # (group id, block id, keys)
+
+
+def load_hit(pool: BlockPool, tiers: TierStack, res: LookupResult) -> tuple[LookupResult, Loaded]:
+    """Pop a fresh device block for every tier block of `res` and record its `Load` (the
+    module docstring); the caller has adopted the hit's device blocks and checked that the
+    pops fit. Returns `res` with real block ids, and the keys each loaded block is to carry:
+    they are published when the step commits, so a step that is discarded (its loads perhaps
+    never run) leaves no key on bytes that may not be there."""
+    sources = tier_sources(res)
+    tiers.pin((t, slot) for _, t, slot in sources)
+    real: dict[int, int] = {}
+    loaded: Loaded = []
+    try:
+        for gid, t, slot in sources:
+            blk = pool.pop(gid)
+            loaded.append((gid, blk, tiers.load(t, slot, blk)))
+            real[virtual_id(t, slot)] = blk
+    finally:
+        tiers.unpin()
+
+    def swap(b: int | None) -> int | None:
+        return real[b] if b is not None and b < 0 else b
+
+    res = replace(
+        res,
+        slots={gid: [real[b] if b < 0 else b for b in row] for gid, row in res.slots.items()},
+        copy_src={gid: swap(b) for gid, b in res.copy_src.items()},
+        state_src={gid: swap(b) for gid, b in res.state_src.items()},
+        loads=(),
+    )
+    return res, loaded
+
+
+class TierLoads:
+    """The loads of plans not yet committed, each kept with its plan record until its step
+    commits (the blocks get their keys), is discarded or the record is dropped (the blocks
+    go back unkeyed, as fresh blocks do)."""
+
+    def __init__(self, pool: BlockPool, tiers: TierStack) -> None:
+        self.pool, self.tiers = pool, tiers
+        self._of: dict[int, tuple[PlanRecord, Loaded]] = {}  # id(record): record, its loads
+
+    def __bool__(self) -> bool:
+        return bool(self._of)
+
+    def begin(self, res: LookupResult) -> LookupResult:
+        """`load_hit`, its loads kept for the record `note` gets next."""
+        res, self._pending = load_hit(self.pool, self.tiers, res)
+        return res
+
+    def note(self, rec: PlanRecord) -> None:
+        self._of[id(rec)] = (rec, self._pending)
+        self._pending = []
+
+    def publish(self, recs: list[PlanRecord]) -> None:
+        """A commit of a step with loads: before each record's own commit (which releases a
+        loaded copy source), its loaded blocks get the keys of the bytes they now hold."""
+        for rec in recs:
+            item = self._of.pop(id(rec), None)
+            if item is None or rec.withdrawn:
+                continue
+            chain, u = rec.req.chain.hashes, self.pool.geo.hash_unit
+            for gid, blk, keys in item[1]:
+                # only the request's own keys: a slot of a page copied from may also carry
+                # keys of the prefix it diverged from, whose events this request cannot name
+                own = [(b, k) for b, k in keys if b // u < len(chain) and chain[b // u] == k]
+                if own:
+                    bounds, hashes = [b for b, _ in own], [k for _, k in own]
+                    self.pool.publish(gid, bounds, hashes, [blk] * len(own), rec.req)
+
+    def drop(self, recs: list[PlanRecord]) -> None:
+        for rec in recs:
+            self._of.pop(id(rec), None)

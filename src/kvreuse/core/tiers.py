@@ -1,0 +1,282 @@
+"""Memory tiers below the device pool: where evicted blocks go instead of being dropped.
+
+    device pool ──evict──► tier 0 (host) ──evict──► tier 1 (store) ──evict──► dropped
+         ▲                    │                        │
+         └──────── load ──────┴────────────────────────┘   (a hit that needs a tier block)
+
+A tier holds *slots*, each a copy of one device block's bytes together with every key that
+block carried (a large page carries several sub-page keys; a state block one). Tiers are
+inclusive of what they loaded: a slot stays after its block is loaded back, so the next
+eviction of that block finds its bytes already there and copies nothing. Each tier keeps its
+own LRU order over its slots and its own index per group (key → slot), in the same shape as the
+pool's, so the lookup rules read a tier exactly as they read the pool (kvreuse.core.tier_lookup).
+
+The engine moves the bytes; this module only decides, recording each decision as a `TierOp` in
+the order it was made. The manager hands them out with the next `StepPlan` (`tier_ops`), and
+the engine runs them in that order before the step's copies and forward: every op was decided
+while the bytes it reads were still where it says (a block is overwritten only by a forward,
+which comes after), so the order alone keeps them exact.
+
+What a tier admits is its `Admission`, per group kind: `ON_EVICTION` (the default: a keyed
+block the pool evicts is copied down) or `NEVER` (the kind's blocks are dropped, as without
+tiers). A tier's own eviction moves a slot to the next tier that admits its kind, or drops it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from kvreuse.core.errors import ConfigError, InvariantError
+
+
+class Admission(StrEnum):
+    ON_EVICTION = "on_eviction"  # a keyed block the level above evicts is copied here
+    NEVER = "never"  # the kind's blocks skip this tier
+
+
+@dataclass(frozen=True, slots=True)
+class TierSpec:
+    """One tier: a name (events and metrics show it), its capacity in blocks of the pool's
+    size, and what it admits per group kind (kinds not named take `default`)."""
+
+    name: str
+    num_blocks: int
+    admission: Mapping[str, Admission] = field(default_factory=dict)
+    default: Admission = Admission.ON_EVICTION
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(
+                f"a tier needs a name (got {self.name!r}); e.g. TierSpec('host', 4096)"
+            )
+        n = self.num_blocks
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(f"tier {self.name!r}: num_blocks must be an integer ≥ 1 (got {n!r})")
+        for kind, rule in self.admission.items():
+            if not isinstance(rule, Admission):
+                allowed = ", ".join(a.value for a in Admission)
+                raise ConfigError(
+                    f"tier {self.name!r}: admission of {kind!r} is {rule!r}; allowed: {allowed}"
+                )
+
+    def admits(self, kind: str) -> bool:
+        return self.admission.get(kind, self.default) is not Admission.NEVER
+
+
+# ------------------------------------------------------------------------------ the ops
+@dataclass(frozen=True, slots=True)
+class Demote:
+    """Copy device block `block_id` (group `group_id`) into slot `slot` of tier `tier`."""
+
+    tier: int
+    slot: int
+    group_id: int
+    block_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """Copy slot `src_slot` of tier `src_tier` into slot `dst_slot` of tier `dst_tier`."""
+
+    src_tier: int
+    src_slot: int
+    dst_tier: int
+    dst_slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """Copy slot `slot` of tier `tier` into device block `block_id` (group `group_id`)."""
+
+    tier: int
+    slot: int
+    group_id: int
+    block_id: int
+
+
+TierOp = Demote | Move | Load
+Keys = list[tuple[int, bytes]]  # (boundary, key), ascending: the keys one block carries
+
+
+@dataclass(slots=True)
+class Slot:
+    group_id: int
+    keys: Keys
+
+
+class Tier:
+    """One tier's slots, its per-group index and its LRU order (oldest first)."""
+
+    def __init__(self, spec: TierSpec, num_groups: int) -> None:
+        self.spec = spec
+        self.slots: dict[int, Slot] = {}
+        self.index: list[dict[bytes, int]] = [{} for _ in range(num_groups)]
+        self.order: OrderedDict[int, None] = OrderedDict()
+        self.pinned: set[int] = set()
+        self._free = list(range(spec.num_blocks - 1, -1, -1))  # pop() takes slot 0 first
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def find(self, group_id: int, key: bytes) -> int | None:
+        return self.index[group_id].get(key)
+
+    def touch(self, slot: int) -> None:
+        self.order.move_to_end(slot)
+
+    def victim(self) -> int | None:
+        """The least recently used slot not pinned by a load in progress."""
+        for s in self.order:
+            if s not in self.pinned:
+                return s
+        return None
+
+    def take(self, slot: int) -> Slot:
+        """Remove a slot (its keys leave the index) and free its number."""
+        entry = self.slots.pop(slot)
+        del self.order[slot]
+        idx = self.index[entry.group_id]
+        for _, key in entry.keys:
+            if idx.get(key) == slot:
+                del idx[key]
+        self._free.append(slot)
+        return entry
+
+    def place(self, entry: Slot) -> int:
+        """Put `entry` in a free slot (the caller made room) as the most recently used."""
+        slot = self._free.pop()
+        self.slots[slot] = entry
+        self.order[slot] = None
+        idx = self.index[entry.group_id]
+        for _, key in entry.keys:
+            idx.setdefault(key, slot)
+        return slot
+
+    def is_full(self) -> bool:
+        return not self._free
+
+    def audit(self, where: str) -> None:
+        if len(self.slots) > self.spec.num_blocks or len(self.slots) != len(self.order):
+            raise InvariantError(f"{where}: {len(self.slots)} slots in {self.spec.num_blocks}")
+        if self.pinned:
+            raise InvariantError(f"{where}: slots {sorted(self.pinned)} still pinned")
+        for gid, idx in enumerate(self.index):
+            for key, slot in idx.items():
+                entry = self.slots.get(slot)
+                if entry is None or entry.group_id != gid or key not in {k for _, k in entry.keys}:
+                    raise InvariantError(f"{where}: index of group {gid} names slot {slot} wrongly")
+
+
+class TierStack:
+    """The tiers below one pool, in order, and the ops decided since they were last taken."""
+
+    def __init__(self, specs: Sequence[TierSpec], kinds: Sequence[str]) -> None:
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"tier names must differ (got {names})")
+        self.kinds = list(kinds)  # per group id, its kind's name
+        self.tiers = [Tier(s, len(kinds)) for s in specs]
+        self.ops: list[TierOp] = []
+        self.num_demoted = 0
+        self.num_dropped = 0
+        self.num_loaded: list[int] = [0] * len(specs)
+
+    def __bool__(self) -> bool:
+        return bool(self.tiers)
+
+    def take_ops(self) -> list[TierOp]:
+        ops, self.ops = self.ops, []
+        return ops
+
+    def find(self, group_id: int, key: bytes) -> tuple[int, int] | None:
+        """(tier, slot) of the highest tier holding `key` in `group_id`, or None."""
+        for t, tier in enumerate(self.tiers):
+            slot = tier.find(group_id, key)
+            if slot is not None:
+                return t, slot
+        return None
+
+    # ------------------------------------------------------------------ eviction from the pool
+    def demote(self, victims: Iterable[tuple[int, int, Keys]]) -> None:
+        """The pool evicted these keyed blocks (block id, group id, keys): copy each down to
+        the first tier that admits its kind, unless a tier already holds its bytes."""
+        for block_id, gid, keys in victims:
+            held = self.find(gid, keys[-1][1])
+            if held is not None:
+                self.tiers[held[0]].touch(held[1])  # the same bytes are there already
+                continue
+            for t, tier in enumerate(self.tiers):
+                if tier.spec.admits(self.kinds[gid]) and self._make_room(t):
+                    slot = tier.place(Slot(gid, list(keys)))
+                    self.ops.append(Demote(t, slot, gid, block_id))
+                    self.num_demoted += 1
+                    break
+            else:
+                self.num_dropped += 1
+
+    def _make_room(self, t: int) -> bool:
+        """Free one slot of tier `t`, moving its LRU slot down (or dropping it); False when
+        every slot is pinned."""
+        tier = self.tiers[t]
+        if not tier.is_full():
+            return True
+        victim = tier.victim()
+        if victim is None:
+            return False
+        entry = tier.slots[victim]
+        kind = self.kinds[entry.group_id]
+        for d in range(t + 1, len(self.tiers)):
+            below = self.tiers[d]
+            if below.find(entry.group_id, entry.keys[-1][1]) is not None:
+                break  # already there: nothing to copy
+            if below.spec.admits(kind) and self._make_room(d):
+                self.ops.append(
+                    Move(t, victim, d, below.place(Slot(entry.group_id, list(entry.keys))))
+                )
+                break
+        else:
+            self.num_dropped += 1
+        tier.take(victim)
+        return True
+
+    # ------------------------------------------------------------------ loads
+    def pin(self, sources: Iterable[tuple[int, int]]) -> None:
+        for t, slot in sources:
+            self.tiers[t].pinned.add(slot)
+
+    def unpin(self) -> None:
+        for tier in self.tiers:
+            tier.pinned.clear()
+
+    def load(self, t: int, slot: int, block_id: int) -> Keys:
+        """Record the copy of a (pinned) slot into a fresh device block; its keys, for the
+        pool to publish on that block."""
+        tier = self.tiers[t]
+        entry = tier.slots[slot]
+        tier.touch(slot)
+        self.ops.append(Load(t, slot, entry.group_id, block_id))
+        self.num_loaded[t] += 1
+        return list(entry.keys)
+
+    def clear(self) -> None:
+        """Forget every slot of every tier (bytes left behind are never read again)."""
+        for t, tier in enumerate(self.tiers):
+            self.tiers[t] = Tier(tier.spec, len(self.kinds))
+
+    # ------------------------------------------------------------------ views
+    def export_entries(self) -> list[tuple[int, int, int, bytes, int]]:
+        """(tier, group id, boundary, key, slot) of every entry, for tests and tools."""
+        return [
+            (t, e.group_id, b, key, slot)
+            for t, tier in enumerate(self.tiers)
+            for slot, e in tier.slots.items()
+            for b, key in e.keys
+            if tier.index[e.group_id].get(key) == slot
+        ]
+
+    def audit(self) -> None:
+        for t, tier in enumerate(self.tiers):
+            tier.audit(f"tier {t} ({tier.spec.name})")
