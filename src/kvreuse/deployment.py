@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kvreuse.core import CacheConfig, ConfigError, GroupSpec
+from kvreuse.core import CacheConfig, ConfigError, GroupSpec, TierSpec
 from kvreuse.hfconfig import model_geometry
 from kvreuse.sched import SchedulerConfig
 
@@ -74,6 +74,10 @@ COST_LIMITS: dict[str, tuple[float, float]] = {
     "decode_step_s": (0.0, 3600.0),  # a step that decodes
     "saved_state_s": (0.0, 3600.0),  # each recurrent state a step writes
     "prefill_chunk_s": (0.0, 3600.0),  # each request a step prefills (per chunk)
+    "host_tokens_per_s": (1.0, 1e15),  # tokens of KV a step loads from the host tier
+    "host_step_s": (0.0, 3600.0),  # a step that loads from the host tier
+    "store_tokens_per_s": (1.0, 1e15),  # the same from the shared store
+    "store_step_s": (0.0, 3600.0),
 }
 
 
@@ -94,13 +98,15 @@ class GeometryError(ValueError):
 class Deployment:
     """What one cache runs with: `name` (the preset or file it came from), the cache's
     configuration, the scheduler's, the context length (None: what the model allows), and the
-    [cost] table as written (only the keys it sets; the simulator fills in the rest)."""
+    [cost] table as written (only the keys it sets; the simulator fills in the rest), and the
+    memory tiers below the pool (`kvreuse simulate --host-capacity`; none by default)."""
 
     name: str
     cache: CacheConfig
     sched: SchedulerConfig
     max_model_len: int | None
     cost: dict[str, float] = field(default_factory=dict)
+    tiers: tuple[TierSpec, ...] = ()
 
 
 # What `resolve` accepts: a preset name, a path to a geometry file, or a deployment.

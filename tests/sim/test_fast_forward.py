@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from kvreuse.core import ConfigError, GroupSpec, KVCacheManager, Request
+from kvreuse.core import ConfigError, GroupSpec, KVCacheManager, Request, TierSpec
 from kvreuse.deployment import Deployment, preset
 from kvreuse.sched import FakeEngine, FastForward, Scheduler, ScriptedEngine
 from kvreuse.sched.advance import HORIZON
@@ -93,7 +93,12 @@ def deployments(draw: st.DrawFn, name: str, num_tokens: int, longest: int) -> De
         max_defer_steps=draw(st.integers(0, 4)),
     )
     assume(1 + sched.num_spec_tokens <= sched.max_num_batched_tokens)
-    return replace(dep, cache=cache, sched=sched)
+    tiers: tuple[TierSpec, ...] = ()
+    if draw(st.booleans()):  # memory tiers below the pool: loads in both paths
+        tiers = (TierSpec("host", draw(st.sampled_from([1, 8, 256]))),)
+        if draw(st.booleans()):
+            tiers += (TierSpec("store", draw(st.sampled_from([2, 64]))),)
+    return replace(dep, cache=cache, sched=sched, tiers=tiers)
 
 
 @st.composite
@@ -233,6 +238,9 @@ def test_fast_forward_equals_step_by_step(
     for what in ("preemptions", "evicted_blocks", "deferral_waits"):
         event(f"{what}: {'some' if result.summary[what] else 'none'}")
     event(f"fast steps: {10 * result.num_fast_steps // max(1, result.summary['steps'])}0 %")
+    tiers = result.summary.get("tiers", {})
+    loaded = sum(t["loaded_blocks"] for t in tiers.values() if isinstance(t, dict))
+    event(f"tier loads: {'some' if loaded else 'none' if dep.tiers else 'no tiers'}")
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))

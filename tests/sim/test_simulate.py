@@ -60,9 +60,9 @@ def test_reconciliation_fails_when_a_counter_is_wrong(monkeypatch: pytest.Monkey
         return out
 
     monkeypatch.setattr(metrics, "snapshot", doctored)
-    import kvreuse.core.manager as manager
+    import kvreuse.core.observe as observe  # where the manager's metrics() reads it
 
-    monkeypatch.setattr(manager, "snapshot", doctored)
+    monkeypatch.setattr(observe, "snapshot", doctored)
     res = simulate(preset("attention-16"), load(resend_grid([100])))
     assert not res.summary["reconciled"]
     assert res.summary["reconciliation"]["cached_tokens_equal_hits"] is False

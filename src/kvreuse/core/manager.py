@@ -187,7 +187,7 @@ class KVCacheManager(Observed):
             res = lookup
             if lookup.loads:
                 pool.adopt_many(hits)  # before the loads' pops, which must not evict them
-                res, hits = self.loads.begin(lookup), []
+                res, hits = self.loads.begin(lookup, st.admissions == 0), []
             rec = admit(geo, pool, self.counters, st, res, num_new_tokens, num_extra_slots, hits)
             if lookup.loads:
                 self.loads.note(rec)

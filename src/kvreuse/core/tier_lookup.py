@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 
+from kvreuse.core.kinds import Stage
 from kvreuse.core.ledger import PlanRecord
 from kvreuse.core.lookup import LookupResult
 from kvreuse.core.pool import BlockPool
@@ -155,12 +156,23 @@ class TierLoads:
     def __init__(self, pool: BlockPool, tiers: TierStack) -> None:
         self.pool, self.tiers = pool, tiers
         self._of: dict[int, tuple[PlanRecord, Loaded]] = {}  # id(record): record, its loads
+        self._pending: Loaded = []
+        full = [g for g in pool.geo.groups if g.stage is Stage.FULL and g.cacheable]
+        self._full = (full[0].group_id, full[0].page_size) if full else None
 
     def __bool__(self) -> bool:
         return bool(self._of)
 
-    def begin(self, res: LookupResult) -> LookupResult:
-        """`load_hit`, its loads kept for the record `note` gets next."""
+    def begin(self, res: LookupResult, first: bool) -> LookupResult:
+        """`load_hit`, its loads kept for the record `note` gets next. On a request's first
+        admission (`first`, what the hit counters count), the hit tokens each tier gave are
+        counted too: the tokens of the hit on the pages it loaded of the first full-attention
+        group."""
+        if first and self._full is not None:
+            gid, B = self._full
+            for j, blk in enumerate(res.slots.get(gid, ())):
+                if blk < 0:
+                    self.tiers.hit_tokens[source_of(blk)[0]] += min((j + 1) * B, res.hit) - j * B
         res, self._pending = load_hit(self.pool, self.tiers, res)
         return res
 

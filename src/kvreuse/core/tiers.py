@@ -182,7 +182,8 @@ class TierStack:
         self.ops: list[TierOp] = []
         self.num_demoted = 0
         self.num_dropped = 0
-        self.num_loaded: list[int] = [0] * len(specs)
+        self.num_loaded: list[list[int]] = [[0] * len(kinds) for _ in specs]  # [tier][gid]
+        self.hit_tokens: list[int] = [0] * len(specs)  # first admissions' hit tokens, per tier
 
     def __bool__(self) -> bool:
         return bool(self.tiers)
@@ -258,7 +259,7 @@ class TierStack:
         entry = tier.slots[slot]
         tier.touch(slot)
         self.ops.append(Load(t, slot, entry.group_id, block_id))
-        self.num_loaded[t] += 1
+        self.num_loaded[t][entry.group_id] += 1
         return list(entry.keys)
 
     def clear(self) -> None:

@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvreuse.core import ConfigError
+from kvreuse.core import ConfigError, TierSpec
 from kvreuse.deployment import (
     PRESETS,
     Deployment,
@@ -86,6 +86,22 @@ def add_parser(sub: Any) -> None:
         help="the pool: as many blocks as one request of N tokens needs (3M, 1.5G; inf: "
         "a pool that never evicts; default: the geometry's)",
     )
+    tiers = p.add_argument_group("memory tiers below the pool (docs/tiers.md)")
+    tiers.add_argument(
+        "--host-capacity",
+        type=size(1, 2**63 - 1),
+        default=None,
+        metavar="N",
+        help="a host-memory tier with room for the blocks one request of N tokens needs (30M); "
+        "evicted blocks go there and hits load them back",
+    )
+    tiers.add_argument(
+        "--store-capacity",
+        type=size(1, 2**63 - 1),
+        default=None,
+        metavar="N",
+        help="a shared-store tier below the host tier, sized the same way",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bars on stderr")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib)")
@@ -142,7 +158,19 @@ def read_inputs(args: argparse.Namespace) -> tuple[Deployment, list[WorkloadRequ
     if args.capacity_tokens == math.inf:
         geo = with_pool(geo, never_evicting_blocks(geo, workload), None)
         return geo, workload
-    return with_pool(geo, args.num_blocks, args.capacity_tokens), workload
+    geo = with_pool(geo, args.num_blocks, args.capacity_tokens)
+    return with_tiers(geo, args.host_capacity, args.store_capacity), workload
+
+
+def with_tiers(geo: Deployment, host_tokens: int | None, store_tokens: int | None) -> Deployment:
+    """`geo` with a host and/or store tier, each sized in blocks as a pool of that many
+    tokens would be (the null block aside)."""
+    tiers = [
+        TierSpec(name, geo.cache.blocks_for_request(tokens))
+        for name, tokens in (("host", host_tokens), ("store", store_tokens))
+        if tokens is not None
+    ]
+    return replace(geo, tiers=(*geo.tiers, *tiers)) if tiers else geo
 
 
 def with_pool(geo: Deployment, num_blocks: int | None, capacity_tokens: int | None) -> Deployment:

@@ -32,6 +32,12 @@ class CostModel:
     decode_step_s: float = 0.02
     saved_state_s: float = 0.0
     prefill_chunk_s: float = 0.0
+    # loads from the tiers below the pool: 10× and 2.5× the default prefill rate, plus a
+    # latency per step that loads (a state counts as one page of its group's tokens)
+    host_tokens_per_s: float = 200_000.0
+    host_step_s: float = 0.0005
+    store_tokens_per_s: float = 50_000.0
+    store_step_s: float = 0.002
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -82,12 +88,13 @@ class CostMeter:
     (`summary()`). A step with no request never reaches the engine and costs its tokens only.
     """
 
-    def __init__(self, engine: Engine, cost: CostModel) -> None:
+    def __init__(self, engine: Engine, cost: CostModel, mgr: KVCacheManager | None = None) -> None:
         self.engine, self.cost = engine, cost
         self.num_saved_states = 0  # the run's totals
         self.num_prefill_chunks = 0
         self.prefill_seconds = 0.0
         self._saved = self._chunks = 0  # the step in flight
+        self.loads = TierLoadMeter(mgr, cost) if mgr is not None and mgr.tiers else None
 
     def __call__(self, step: StepPlan, seqs: Mapping[str, Seq]) -> Outcomes:
         outcomes = self.engine(step, seqs)
@@ -121,15 +128,70 @@ class CostMeter:
         self.num_saved_states += saved
         self.num_prefill_chunks += chunks
         self.prefill_seconds += prefill
-        return prefill + (self.cost.decode_step_s if num_decode else 0.0)
+        load = self.loads.step() if self.loads is not None else 0.0
+        return prefill + load + (self.cost.decode_step_s if num_decode else 0.0)
 
     def summary(self) -> dict[str, Any]:
         """The run's totals, for its summary: states saved, prefill chunks, and the seconds the
         cost model spent on prefill (every step's time but its decode step)."""
-        return {
+        out: dict[str, Any] = {
             "saved_states": self.num_saved_states,
             "prefill_chunks": self.num_prefill_chunks,
             "prefill_seconds": round(self.prefill_seconds, 6),
+        }
+        if self.loads is not None:
+            out["tiers"] = self.loads.summary()
+        return out
+
+
+class TierLoadMeter:
+    """The time of each step's loads from the tiers below the pool: per tier, the tokens its
+    loads carry (an attention block its page, a state one page of its group) over the tier's
+    rate, plus the tier's latency when the step loads from it. Read from the manager's own
+    counts after each step, so both paths of the simulator meter the same loads."""
+
+    def __init__(self, mgr: KVCacheManager, cost: CostModel) -> None:
+        self.stack = mgr.tiers
+        self.pages = [g.page_size for g in mgr.geo.groups]
+        host, store = (
+            (cost.host_tokens_per_s, cost.host_step_s),
+            (
+                cost.store_tokens_per_s,
+                cost.store_step_s,
+            ),
+        )
+        self.rates = [host if t.spec.name == "host" else store for t in self.stack.tiers]
+        self.seen = [list(row) for row in self.stack.num_loaded]
+        self.seconds = [0.0] * len(self.rates)
+
+    def step(self) -> float:
+        total = 0.0
+        for t, row in enumerate(self.stack.num_loaded):
+            if row == self.seen[t]:
+                continue
+            tokens = sum((n - m) * p for n, m, p in zip(row, self.seen[t], self.pages, strict=True))
+            rate, latency = self.rates[t]
+            dt = tokens / rate + latency
+            self.seconds[t] += dt
+            total += dt
+            self.seen[t] = list(row)
+        return total
+
+    def summary(self) -> dict[str, Any]:
+        stack, out = self.stack, {}
+        for t, tier in enumerate(stack.tiers):
+            row = stack.num_loaded[t]
+            out[tier.spec.name] = {
+                "capacity_blocks": tier.spec.num_blocks,
+                "held_blocks": len(tier),
+                "loaded_blocks": sum(row),
+                "hit_tokens": stack.hit_tokens[t],  # of first admissions, as `hits` counts
+                "load_seconds": round(self.seconds[t], 6),
+            }
+        return {
+            **out,
+            "demoted_blocks": stack.num_demoted,
+            "dropped_blocks": stack.num_dropped,
         }
 
 

@@ -54,6 +54,7 @@ def summary_table(name: str, result: SimResult, out: Path) -> str:
         f"{plural(s['preemptions'], 'preemption')}, {plural(s['evicted_blocks'], 'evicted block')}"
         f", peak usage {percent(s['peak_usage'], 1)}",
     ]
+    lines += tier_lines(s)
     off = s.get("without_deferral")
     if off:
         lines.append(
@@ -65,6 +66,20 @@ def summary_table(name: str, result: SimResult, out: Path) -> str:
         lines.append(too_large)
     lines.append(f"reconciliation {'passed' if s['reconciled'] else 'FAILED'}; outputs in {out}/")
     return "\n".join(lines)
+
+
+def tier_lines(s: dict[str, Any]) -> list[str]:
+    """One line per memory tier below the pool: the hit tokens it gave back and their loads."""
+    out = []
+    for name, t in s.get("tiers", {}).items():
+        if isinstance(t, dict):
+            blocks = plural(t["loaded_blocks"], "block")
+            out.append(
+                f"{name} tier: {t['hit_tokens']:,} hit tokens loaded ({blocks}, "
+                f"{t['load_seconds']:.3f} s of loads); holds {t['held_blocks']:,} of "
+                f"{t['capacity_blocks']:,} blocks"
+            )
+    return out
 
 
 def _deferral_cost(s: dict[str, Any], off: dict[str, Any]) -> str:

@@ -120,9 +120,10 @@ class _Run:
     ) -> None:
         # Nobody drains events in a simulation unless asked to; recording them would keep
         # every finished request's tokens alive until the event queue's bound.
-        self.mgr = KVCacheManager(replace(geo.cache, enable_events=on_events is not None))
+        cache = replace(geo.cache, enable_events=on_events is not None)
+        self.mgr = KVCacheManager(cache, tiers=geo.tiers)
         self.on_events = on_events
-        self.meter = CostMeter(engine, cost)
+        self.meter = CostMeter(engine, cost, self.mgr)
         self.sched = Scheduler(self.mgr, self.meter, geo.sched)
         script = self.meter.decode_script() if fast_forward else None
         self.fast = None if script is None else FastForward(self.sched, script)

@@ -1,0 +1,88 @@
+"""`kvreuse simulate` with memory tiers below the pool: hits come back from the host and the
+store, their loads cost simulated time, and the options speak the size language."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kvreuse.core import TierSpec
+from kvreuse.deployment import Deployment, preset
+from kvreuse.sim.cli import with_pool, with_tiers
+from kvreuse.sim.generators import agent
+from kvreuse.sim.run import CostModel, simulate
+from kvreuse.sim.workload import load_workload
+
+AGENT = [json.dumps(x) for x in agent(8, 6, 64, 256, 32)]  # 8 sessions that outgrow the pool
+
+
+def small() -> Deployment:
+    return with_pool(preset("attention-16"), None, 3000)
+
+
+def test_a_host_tier_gives_back_what_the_pool_evicted() -> None:
+    wl = load_workload(AGENT)
+    alone = simulate(small(), wl).summary
+    host = simulate(replace(small(), tiers=(TierSpec("host", 2000),)), wl).summary
+    assert alone["evicted_blocks"] > 0 and alone["hit_rate"] < 0.05
+    assert host["reconciled"] and host["hit_rate"] > 10 * alone["hit_rate"]
+    t = host["tiers"]["host"]
+    assert t["loaded_blocks"] > 0 and 0 < t["hit_tokens"] <= host["hits"]
+    assert t["hit_tokens"] <= t["loaded_blocks"] * 16  # a load gives a page or less of one
+    assert t["load_seconds"] > 0 and host["tiers"]["demoted_blocks"] > 0
+
+
+def test_the_load_time_is_the_cost_models() -> None:
+    """Free loads and slow loads give the same hits; slow ones take simulated time."""
+    wl = load_workload(AGENT)
+    dep = replace(small(), tiers=(TierSpec("host", 2000),))
+    free = simulate(dep, wl, CostModel(host_tokens_per_s=1e15, host_step_s=0.0)).summary
+    slow = simulate(dep, wl, CostModel(host_tokens_per_s=1000.0, host_step_s=0.01)).summary
+    assert free["hits"] == slow["hits"]
+    tokens = slow["tiers"]["host"]["loaded_blocks"] * 16
+    assert slow["tiers"]["host"]["load_seconds"] >= tokens / 1000.0
+    assert slow["simulated_seconds"] > free["simulated_seconds"]
+
+
+def test_a_small_host_sends_its_oldest_blocks_to_the_store() -> None:
+    wl = load_workload(AGENT)
+    dep = replace(small(), tiers=(TierSpec("host", 50), TierSpec("store", 2000)))
+    s = simulate(dep, wl).summary
+    assert s["tiers"]["host"]["held_blocks"] == 50
+    assert s["tiers"]["store"]["loaded_blocks"] > 0
+
+
+def test_tier_options_take_sizes_and_size_in_blocks_of_the_pool() -> None:
+    geo = with_tiers(preset("attention-16"), 3_000_000, 10_000)
+    assert [(t.name, t.num_blocks) for t in geo.tiers] == [("host", 187_500), ("store", 625)]
+    assert with_tiers(geo, None, None) is geo
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvreuse", *args], cwd=cwd, capture_output=True, text=True
+    )
+
+
+def test_the_command_line_reports_each_tier(tmp_path: Path) -> None:
+    (tmp_path / "w.jsonl").write_text("\n".join(AGENT) + "\n")
+    args = ["simulate", "--geometry", "attention-16", "--capacity-tokens", "3K"]
+    done = run_cli(*args, "--host-capacity", "32K", "w.jsonl", "--out", "o", "--no-plots",
+                   "--quiet", "--json", cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert summary["tiers"]["host"]["capacity_blocks"] == 2000
+
+
+@pytest.mark.parametrize("value", ["lots", "-3", "1.5"])
+def test_a_bad_tier_size_is_one_line(tmp_path: Path, value: str) -> None:
+    (tmp_path / "w.jsonl").write_text("\n".join(AGENT) + "\n")
+    done = run_cli("simulate", "--host-capacity", value, "w.jsonl", cwd=tmp_path)
+    assert done.returncode == 2
+    line = done.stderr.strip().splitlines()[-1]
+    assert "--host-capacity" in line and "Traceback" not in done.stderr
