@@ -285,6 +285,13 @@ def _fleet_mooncake(saved: str | None = None) -> tuple[str, dict[str, Any]]:
     return command, values
 
 
+def _tiers_conversation(saved: str | None = None) -> tuple[str, dict[str, Any]]:
+    """docs/tiers.md's table: hybrid-dcp4 on the conversation trace, device alone, with a
+    host tier, with host and store, and one device as large as device and host."""
+    command = "benchmarks/tiers_trace.py conversation.jsonl --geometry hybrid-dcp4"
+    return command, json_lines(_saved(saved, command), ("case",))
+
+
 LOAD_WEIGHTS = (0.0, 0.02, 0.1, 1.0)
 
 
@@ -378,6 +385,7 @@ RECIPES: dict[str, Callable[..., tuple[str, dict[str, Any]]]] = {
     "trace_synthetic_3m": _trace("synthetic_trace", "3000000"),
     "fleet_bench": _fleet_bench,
     "fleet_mooncake": _fleet_mooncake,
+    "tiers_conversation": _tiers_conversation,
     "engine": _engine,
     "sim_memory": _sim_memory,
     "qualify": _qualify,

@@ -10,7 +10,7 @@ WORKLOAD.jsonl`). Four runs of `kvreuse simulate`, each a child process as a use
     device        the device pool alone (--device tokens)
     +host         the same pool with a host tier (--host tokens)
     +host+store   the pool, a smaller host tier (--host-with-store) and a store (--store)
-    one device    a single device pool as large as the first and the host together
+    one-device    a single device pool as large as the first and the host together
 
 One JSON object per line per run (`metric` "hit_rate", `value`, `params`: the capacities, the
 hit tokens each tier gave, the simulated seconds spent loading from each, the mean and median
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     run_case(args.workload, args.geometry, "+host", d, {"host": args.host})
     both = {"host": args.host_with_store, "store": args.store}
     run_case(args.workload, args.geometry, "+host+store", d, both)
-    run_case(args.workload, args.geometry, "one device", d + args.host, {})
+    run_case(args.workload, args.geometry, "one-device", d + args.host, {})
     return 0
 
 

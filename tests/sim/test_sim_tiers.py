@@ -86,3 +86,14 @@ def test_a_bad_tier_size_is_one_line(tmp_path: Path, value: str) -> None:
     assert done.returncode == 2
     line = done.stderr.strip().splitlines()[-1]
     assert "--host-capacity" in line and "Traceback" not in done.stderr
+
+
+def test_a_sweep_puts_the_tiers_under_every_case(tmp_path: Path) -> None:
+    (tmp_path / "w.jsonl").write_text("\n".join(AGENT) + "\n")
+    args = ["sweep", "w.jsonl", "--geometry", "attention-16", "--capacity", "3K,10K"]
+    done = run_cli(*args, "--host-capacity", "32K", "--out", "s", "--no-plots", "--quiet",
+                   cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = json.loads((tmp_path / "s" / "sweep.json").read_text())["cases"]
+    assert [r["tiers"]["host"]["capacity_blocks"] for r in rows] == [2000, 2000]
+    assert all(r["tiers"]["host"]["hit_tokens"] > 0 for r in rows)

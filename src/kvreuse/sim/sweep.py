@@ -173,6 +173,7 @@ def run_case(case: Case, workload: list[WorkloadRequest], draft_accept_rate: flo
         "too_large": s["too_large"]["count"],
         "reconciled": s["reconciled"],
         "wall_s": round(time.perf_counter() - start, 3),
+        **({"tiers": s["tiers"]} if "tiers" in s else {}),
     }
 
 

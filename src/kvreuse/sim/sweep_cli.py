@@ -21,8 +21,8 @@ from typing import Any
 
 from kvreuse.core import ConfigError
 from kvreuse.deployment import Deployment, GeometryError, resolve
-from kvreuse.sim.args import Help, int_range
-from kvreuse.sim.cli import clear_outputs, prepare_out
+from kvreuse.sim.args import Help, int_range, size
+from kvreuse.sim.cli import clear_outputs, prepare_out, with_tiers
 from kvreuse.sim.cost import CostModel
 from kvreuse.sim.progress import Progress
 from kvreuse.sim.sweep import (
@@ -94,6 +94,15 @@ def add_parser(sub: Any) -> None:
         default=0.7,
         help="with num_spec_tokens > 0: probability that each draft token is accepted",
     )
+    for tier, what in (("host", "a host-memory tier"), ("store", "a shared-store tier")):
+        p.add_argument(
+            f"--{tier}-capacity",
+            type=size(1, 2**63 - 1),
+            default=None,
+            metavar="N",
+            help=f"{what} below every case's pool, with room for one request of N tokens "
+            "(docs/tiers.md)",
+        )
     p.add_argument("--json", action="store_true", help="print sweep.json instead of the table")
     p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib)")
@@ -134,7 +143,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         capacities = parse_capacities(args.capacity)
         _check_options(args)
-        geometries = _geometries(args.geometry)
+        geometries = [
+            (label, with_tiers(geo, args.host_capacity, args.store_capacity))
+            for label, geo in _geometries(args.geometry)
+        ]
         workload = read_workload(args.workload)
         cases = cases_for(geometries, capacities, workload)
     except (GeometryError, ConfigError, WorkloadError, OSError, ValueError) as exc:
