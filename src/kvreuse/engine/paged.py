@@ -93,6 +93,30 @@ class PagedCache:
             else:
                 self.state[layer][c.dst] = self.state[layer][c.src]
 
+    def read_block(self, group_id: int, block_id: int) -> dict[str, Tensor]:
+        """A copy of block `block_id` of every layer of the group, on every rank (what a tier
+        keeps): per layer, K and V stacked ([2, R, block, heads, dim]) or the state."""
+        out = {}
+        for layer in self.members.get(group_id, []):
+            if layer in self.kv:
+                k, v = self.kv[layer]
+                out[layer] = torch.stack((k[:, block_id], v[:, block_id]))
+            else:
+                out[layer] = self.state[layer][block_id].clone()
+        return out
+
+    def write_block(self, group_id: int, block_id: int, data: dict[str, Tensor]) -> None:
+        """Put what `read_block` gave back into block `block_id` (a load from a tier)."""
+        layers = self.members.get(group_id, [])
+        if sorted(data) != sorted(layers):
+            raise ValueError(f"a tier block of group {group_id} names layers {sorted(data)}")
+        for layer in layers:
+            if layer in self.kv:
+                k, v = self.kv[layer]
+                k[:, block_id], v[:, block_id] = data[layer][0], data[layer][1]
+            else:
+                self.state[layer][block_id] = data[layer]
+
     def ranks(self, layer: str) -> int:
         return self.kv[layer][0].shape[0]
 

@@ -19,7 +19,7 @@ Nothing is published here: the core publishes at commit, from T' and the saved p
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ from kvreuse.core import CacheConfig, RequestPlan, StepPlan
 from kvreuse.engine.model import Model
 from kvreuse.engine.paged import PagedCache, PagedContext
 from kvreuse.engine.sampling import GREEDY, SamplingParams, sample
+from kvreuse.engine.tiers import TierBytes, run_tier_ops
 
 SPEC_METHODS = (None, "ngram", "eagle")
 
@@ -63,6 +64,7 @@ class ModelRunner:
         spec: str | None = None,
         seed: int = 0,
         num_threads: int | None = 1,
+        tiers: Sequence[TierBytes] = (),
     ) -> None:
         if spec not in SPEC_METHODS:
             raise ValueError(f"spec must be one of {SPEC_METHODS}, got {spec!r}")
@@ -71,6 +73,7 @@ class ModelRunner:
             torch.set_num_threads(num_threads)
         self.model = model
         self.cache = PagedCache(cache, model.config, torch.float32)
+        self.tiers = list(tiers)  # the bytes of the core's tiers, in the same order
         if spec == "eagle" and "draft" not in self.cache.layer_group:
             raise ValueError(
                 "spec='eagle' needs a model with a draft head and a geometry with a full "
@@ -92,6 +95,8 @@ class ModelRunner:
         for rid in [r for r in self._gens if r not in seqs or seqs[r].finished]:
             self._gens.pop(rid, None)
             self._drafts.pop(rid, None)
+        if step.tier_ops:  # before the copies: a copy may read a block a load fills
+            run_tier_ops(step.tier_ops, self.tiers, self.cache)
         for c in step.copies:  # E1: all copies before any write of the step
             self.cache.copy(c)
         return [self._run(plan, seqs[plan.request_id]) for plan in step.requests]

@@ -1,0 +1,90 @@
+"""The bytes of the memory tiers below the paged cache, moved as the core's plans say.
+
+The core decides (kvreuse.core.tiers) and hands each step its `tier_ops`; the runner carries
+them out here, in order, before the step's copies and forward:
+
+    Demote(tier, slot, group, block)   cache block  ──► tier slot
+    Move(src_tier, src_slot, dst…)     tier slot    ──► tier slot
+    Load(tier, slot, group, block)     tier slot    ──► cache block
+
+`HostTier` keeps a slot as tensors (host memory: a copy, not a view of the cache). `BytesTier`
+keeps it as bytes with a frame (a magic, the length, a SHA-256 of the payload) in a byte store
+with `get`/`set`, in-process by default, so a value that is truncated or altered reads as
+`TierCorruption` and is never loaded into the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import struct
+from collections.abc import MutableMapping, Sequence
+
+import torch
+from torch import Tensor
+
+from kvreuse.core import Demote, Load, Move, TierOp
+from kvreuse.engine.paged import PagedCache
+
+Block = dict[str, Tensor]  # per layer: what `PagedCache.read_block` returns
+MAGIC = b"KVRT"
+_HEAD = struct.Struct(">4sQ32s")  # magic, payload length, sha256(payload)
+
+
+class TierCorruption(RuntimeError):
+    """A tier slot's bytes are not what was stored: the load is refused."""
+
+
+class HostTier:
+    def __init__(self) -> None:
+        self.slots: dict[int, Block] = {}
+
+    def put(self, slot: int, block: Block) -> None:
+        self.slots[slot] = {layer: t.clone() for layer, t in block.items()}
+
+    def get(self, slot: int) -> Block:
+        if slot not in self.slots:
+            raise TierCorruption(f"host tier slot {slot} holds nothing")
+        return self.slots[slot]
+
+
+class BytesTier:
+    """A tier kept as framed bytes in `store` (key: the slot number), e.g. a shared store."""
+
+    def __init__(
+        self, store: MutableMapping[str, bytes] | None = None, name: str = "store"
+    ) -> None:
+        self.store: MutableMapping[str, bytes] = {} if store is None else store
+        self.name = name
+
+    def put(self, slot: int, block: Block) -> None:
+        buf = io.BytesIO()
+        torch.save({layer: t.contiguous() for layer, t in block.items()}, buf)
+        payload = buf.getvalue()
+        head = _HEAD.pack(MAGIC, len(payload), hashlib.sha256(payload).digest())
+        self.store[str(slot)] = head + payload
+
+    def get(self, slot: int) -> Block:
+        raw = self.store.get(str(slot))
+        if raw is None or len(raw) < _HEAD.size:
+            raise TierCorruption(f"{self.name} tier slot {slot}: no value or a truncated one")
+        magic, length, digest = _HEAD.unpack_from(raw)
+        payload = raw[_HEAD.size :]
+        if magic != MAGIC or length != len(payload) or hashlib.sha256(payload).digest() != digest:
+            raise TierCorruption(f"{self.name} tier slot {slot}: its bytes fail their checksum")
+        block: Block = torch.load(io.BytesIO(payload), weights_only=True)
+        return block
+
+
+TierBytes = HostTier | BytesTier
+
+
+def run_tier_ops(ops: Sequence[TierOp], tiers: Sequence[TierBytes], cache: PagedCache) -> None:
+    """Carry out a step's tier ops in their order."""
+    for op in ops:
+        if isinstance(op, Demote):
+            tiers[op.tier].put(op.slot, cache.read_block(op.group_id, op.block_id))
+        elif isinstance(op, Move):
+            tiers[op.dst_tier].put(op.dst_slot, tiers[op.src_tier].get(op.src_slot))
+        elif isinstance(op, Load):
+            cache.write_block(op.group_id, op.block_id, tiers[op.tier].get(op.slot))
