@@ -29,14 +29,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvreuse.sim.args import parse_size as args_parse_size
+
 KVREUSE = [sys.executable, "-m", "kvreuse"]
 
 
 def parse_size(text: str) -> int:
-    scale = {"K": 10**3, "M": 10**6, "G": 10**9}
-    if text[-1:].upper() in scale:
-        return int(float(text[:-1]) * scale[text[-1].upper()])
-    return int(text)
+    """A size as the command line reads it (3M, 1.5G), by kvreuse's own parser."""
+    value = args_parse_size(text, 1, 2**63 - 1)
+    assert value is not None  # no `inf` without `unlimited`
+    return value
 
 
 def run_case(workload: Path, geometry: str, name: str, pool: int, tiers: dict[str, int]) -> None:

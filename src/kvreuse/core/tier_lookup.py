@@ -123,7 +123,7 @@ def load_hit(pool: BlockPool, tiers: TierStack, res: LookupResult) -> tuple[Look
     pops fit. Returns `res` with real block ids, and the keys each loaded block is to carry:
     they are published when the step commits, so a step that is discarded (its loads perhaps
     never run) leaves no key on bytes that may not be there."""
-    sources = tier_sources(res)
+    sources = res.loads  # the lookup's load plan (`tier_sources`), not found again
     tiers.pin((t, slot) for _, t, slot in sources)
     real: dict[int, int] = {}
     loaded: Loaded = []

@@ -14,6 +14,7 @@ import math
 import re
 from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
+from typing import Any
 
 UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 UNLIMITED = ("inf", "unlimited")
@@ -157,3 +158,17 @@ def percent(part: float, whole: float) -> str:
 def plural(count: int, noun: str, many: str | None = None) -> str:
     """'1 request', '2 requests', '1,024 blocks'."""
     return f"{count:,} {noun if count == 1 else many or noun + 's'}"
+
+
+def add_tier_options(p: Any, where: str) -> None:
+    """`--host-capacity N` and `--store-capacity N`: memory tiers below `where` (docs/tiers.md),
+    each with room for the blocks one request of N tokens needs."""
+    for tier, what in (("host", "a host-memory tier"), ("store", "a shared-store tier")):
+        p.add_argument(
+            f"--{tier}-capacity",
+            type=size(1, 2**63 - 1),
+            default=None,
+            metavar="N",
+            help=f"{what} below {where}, with room for the blocks one request of N tokens "
+            "needs (30M); evicted blocks go there and hits load them back",
+        )

@@ -12,7 +12,7 @@ that will read it. A request's prompt then takes the digests of its leading comp
 the paths already hashed, and hashes only the paths no request hashed before it (through the
 replica's own hasher, so the digests are the ones its tokens give). A path's digests are kept
 while a request that will read it has not arrived, and dropped when its last reader has them:
-what is held follows what is still to come, not the trace's length. The core takes the digests
+what is held follows the requests not yet read, not the trace's length. The core takes the digests
 as `Request.prefix_hashes` and hashes the units after them from the tokens (none, when the
 prompt had a block to hash here: its chain is then hashed to the end in the same pass).
 
@@ -143,5 +143,5 @@ class BlockChains:
 
     @property
     def num_paths(self) -> int:
-        """Paths that a request still to come will read."""
+        """Paths that a request not yet run will read."""
         return len(self._nodes)

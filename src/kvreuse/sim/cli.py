@@ -28,7 +28,7 @@ from kvreuse.deployment import (
     preset,
     resolve,
 )
-from kvreuse.sim.args import Help, number, size
+from kvreuse.sim.args import Help, add_tier_options, number, size
 from kvreuse.sim.fit import check_fit, never_evicting_blocks
 from kvreuse.sim.progress import Progress
 from kvreuse.sim.report import PLOTS, summary_table, write_report
@@ -86,22 +86,7 @@ def add_parser(sub: Any) -> None:
         help="the pool: as many blocks as one request of N tokens needs (3M, 1.5G; inf: "
         "a pool that never evicts; default: the geometry's)",
     )
-    tiers = p.add_argument_group("memory tiers below the pool (docs/tiers.md)")
-    tiers.add_argument(
-        "--host-capacity",
-        type=size(1, 2**63 - 1),
-        default=None,
-        metavar="N",
-        help="a host-memory tier with room for the blocks one request of N tokens needs (30M); "
-        "evicted blocks go there and hits load them back",
-    )
-    tiers.add_argument(
-        "--store-capacity",
-        type=size(1, 2**63 - 1),
-        default=None,
-        metavar="N",
-        help="a shared-store tier below the host tier, sized the same way",
-    )
+    add_tier_options(p.add_argument_group("memory tiers (docs/tiers.md)"), "the pool")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bars on stderr")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib)")

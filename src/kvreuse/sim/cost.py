@@ -153,13 +153,8 @@ class TierLoadMeter:
     def __init__(self, mgr: KVCacheManager, cost: CostModel) -> None:
         self.stack = mgr.tiers
         self.pages = [g.page_size for g in mgr.geo.groups]
-        host, store = (
-            (cost.host_tokens_per_s, cost.host_step_s),
-            (
-                cost.store_tokens_per_s,
-                cost.store_step_s,
-            ),
-        )
+        host = (cost.host_tokens_per_s, cost.host_step_s)
+        store = (cost.store_tokens_per_s, cost.store_step_s)
         self.rates = [host if t.spec.name == "host" else store for t in self.stack.tiers]
         self.seen = [list(row) for row in self.stack.num_loaded]
         self.seconds = [0.0] * len(self.rates)

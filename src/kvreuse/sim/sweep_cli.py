@@ -21,7 +21,7 @@ from typing import Any
 
 from kvreuse.core import ConfigError
 from kvreuse.deployment import Deployment, GeometryError, resolve
-from kvreuse.sim.args import Help, int_range, size
+from kvreuse.sim.args import Help, add_tier_options, int_range
 from kvreuse.sim.cli import clear_outputs, prepare_out, with_tiers
 from kvreuse.sim.cost import CostModel
 from kvreuse.sim.progress import Progress
@@ -94,15 +94,7 @@ def add_parser(sub: Any) -> None:
         default=0.7,
         help="with num_spec_tokens > 0: probability that each draft token is accepted",
     )
-    for tier, what in (("host", "a host-memory tier"), ("store", "a shared-store tier")):
-        p.add_argument(
-            f"--{tier}-capacity",
-            type=size(1, 2**63 - 1),
-            default=None,
-            metavar="N",
-            help=f"{what} below every case's pool, with room for one request of N tokens "
-            "(docs/tiers.md)",
-        )
+    add_tier_options(p, "every case's pool")
     p.add_argument("--json", action="store_true", help="print sweep.json instead of the table")
     p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib)")
