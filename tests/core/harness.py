@@ -73,6 +73,7 @@ class Driver:
         self.known: dict[str, Known] = {}
         self.finished: list[Known] = []
         self.replayed: dict[tuple[int, bytes], tuple[int, str]] = {}
+        self.tier_replayed: dict[tuple[int, int, bytes], int] = {}  # (tier, gid, key): bd
         self.dropped_events = False
         self.hits_sum = 0
         self.queries_sum = 0
@@ -113,17 +114,29 @@ class Driver:
                 assert ev.seq == self.last_seq + 1, (ev.seq, self.last_seq)
                 self.last_seq = ev.seq
             self.trace.extend(events)
+            tiers = self.tier_replayed
             for ev in events:
                 if ev.type == "BlockStored":
                     for e in ev.entries:
                         self.replayed[(ev.group_id, e.hash)] = (e.boundary, e.kind)
                 elif ev.type == "BlockRemoved":
                     del self.replayed[(ev.group_id, ev.hash)]
+                elif ev.type == "TierStored":
+                    for b, key in ev.entries:
+                        assert (ev.tier, ev.group_id, key) not in tiers, "stored twice"
+                        tiers[(ev.tier, ev.group_id, key)] = b
+                elif ev.type == "TierRemoved":
+                    for _, key in ev.entries:
+                        del tiers[(ev.tier, ev.group_id, key)]
                 else:
+                    assert ev.type == "AllBlocksCleared", ev.type
                     self.replayed.clear()
+                    tiers.clear()
             if not mgr.metrics()["kv_events_dropped_total"]:
                 exported = {(g, h): (b, kind) for g, b, h, kind, _ in mgr.export_entries()}
                 assert exported == self.replayed, "event replay differs from export_entries()"
+                held = {(t, g, key): b for t, g, b, key, _ in mgr.tiers.export_entries()}
+                assert held == tiers, "tier event replay differs from the tiers' entries"
         m = mgr.metrics()
         assert m["prefix_cache_hits"] == self.hits_sum
         assert m["prefix_cache_queries"] == self.queries_sum

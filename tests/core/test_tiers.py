@@ -12,7 +12,10 @@ the tiers too, and come back. After every operation, besides the harness's own c
   written with (at publication), and each Demote / Move / Load / Copy carries them along in the
   order the step lists them; a fresh block starts empty. Every admission then reads, in every
   page and state of its hit, bytes written for its own prefix; and a loaded block is published
-  only with keys whose bytes the load brought.
+  only with keys whose bytes the load brought;
+- the KV events, through vLLM's wire format (each tier's under its own `medium`), rebuild a
+  router's mirror whose device and tier entries are the replica's, and whose lookup across
+  tiers gives the replica's hit with the same blocks loaded from the same tiers.
 """
 
 from __future__ import annotations
@@ -27,8 +30,12 @@ from hypothesis import strategies as st
 
 from harness import Driver, Engine, Known
 from kvreuse import CacheConfig, GroupSpec, KVCacheManager, LookupResult, StepPlan
-from kvreuse.core import Admission, ConfigError, Demote, Load, Move, TierSpec
+from kvreuse.core import Admission, ConfigError, Demote, Load, Move, TierSpec, compute_lookup
+from kvreuse.core.events import AllBlocksCleared, BlockRemoved, BlockStored, TierRemoved, TierStored
 from kvreuse.core.tier_lookup import source_of, tier_sources
+from kvreuse.events import Converter, ReplicaMirror
+from kvreuse.events.mirror import HashChain
+from kvreuse.events.wire import EventBatch, decode_batch, encode_batch, hash64
 from kvreuse.oracle import expected_slots, ident, oracle
 from test_properties import geometries
 
@@ -48,6 +55,10 @@ class TierDriver(Driver):
         self.num_loads = 0
         self.num_demotes = 0
         self.num_loaded_admissions = 0
+        self.converter = Converter(self.geo)
+        self.mirror = ReplicaMirror(self.geo, tiers=[t.medium for t in tiers])
+        self.num_mirror_lookups = 0
+        self.num_mirror_tier_hits = 0
 
     # ------------------------------------------------------------------ the oracle
     def _tier_rows(self) -> list[tuple[int, int, bytes]]:
@@ -69,8 +80,19 @@ class TierDriver(Driver):
         pending = oracle(self.geo, oreq, entries | self._pending_entries(), ghost)
         assert res.pending_hit == pending.hit
         assert list(res.loads) == tier_sources(res)
+        if not mgr.events.pending and not k.skip_read:  # the mirror has every event
+            self._check_mirror_lookup(k, res)
         self.num_lookups += 1
         return res
+
+    def _check_mirror_lookup(self, k: Known, res: LookupResult) -> None:
+        """A router's lookup on the mirror: the same hit, the same blocks loaded per tier."""
+        chain = HashChain(self._hashes(self.oracle_request(k)))
+        seen = compute_lookup(self.geo, self.mirror.tiered, k.rid, chain, len(k.tokens))
+        assert seen.hit == res.hit, f"{k.rid}: mirror {seen.hit} != replica {res.hit}"
+        assert [(g, t) for g, t, _ in tier_sources(seen)] == [(g, t) for g, t, _ in res.loads]
+        self.num_mirror_lookups += 1
+        self.num_mirror_tier_hits += bool(res.loads)
 
     def _check_tier_slots(self, k: Known, res: LookupResult, entries: set) -> None:
         """Each page of the hit names a block or a tier slot that holds its key."""
@@ -107,11 +129,33 @@ class TierDriver(Driver):
     def check(self) -> None:
         super().check()
         trace = self.trace
+        events = []
         for item in trace[self.seen_trace :]:
             if isinstance(item, StepPlan):
                 self._run_ops(item)
+            elif isinstance(item, EVENTS):
+                events.append(item)
         self.seen_trace = len(trace)
         self._note_publications()
+        self._check_mirror(events)
+
+    def _check_mirror(self, events: list[Any]) -> None:
+        """The new events, as bytes on the wire, applied to the mirror: it holds what the pool
+        and every tier hold, key for key."""
+        payload = encode_batch(EventBatch(0.0, self.converter.convert(events)))
+        mirror = self.mirror
+        batch = decode_batch(payload).events
+        mirror.check(batch)
+        mirror.apply(batch)
+        mgr = self.mgr
+        for g in self.geo.cacheable:
+            gid = g.group_id
+            device = {hash64(key) for g2, _, key, _, _ in mgr.export_entries() if g2 == gid}
+            assert set(mirror.entries(gid)) == device, gid
+            for t in range(len(mgr.tiers.tiers)):
+                held = {hash64(key) for t2, g2, _, key, _ in mgr.tiers.export_entries()
+                        if (t2, g2) == (t, gid)}  # fmt: skip
+                assert set(mirror.tier_entries(t, gid)) == held, (t, gid)
 
     def _entry(self, gid: int, b: int, key: bytes) -> Any:
         return (gid, b, self.book.by_hash[bytes(key)])
@@ -181,6 +225,7 @@ class TierDriver(Driver):
         self.seen_entries = now
 
 
+EVENTS = (BlockStored, BlockRemoved, AllBlocksCleared, TierStored, TierRemoved)
 ADMISSIONS = st.sampled_from([Admission.ON_EVICTION, Admission.ON_EVICTION, Admission.NEVER])
 
 
@@ -190,7 +235,8 @@ def tier_stacks(draw: st.DrawFn) -> list[TierSpec]:
     out = []
     for i, name in enumerate(["host", "store"][:num]):
         rule = {kind: draw(ADMISSIONS) for kind in ("full", "sliding", "chunked", "recurrent")}
-        out.append(TierSpec(name, draw(st.sampled_from([1, 3, 8, 40][i:])), rule))
+        medium = "CPU" if name == "host" else ""  # "" takes the name: "STORE"
+        out.append(TierSpec(name, draw(st.sampled_from([1, 3, 8, 40][i:])), rule, medium=medium))
     return out
 
 
@@ -210,7 +256,7 @@ def test_the_property_moves_bytes_through_the_tiers() -> None:
     """The histories above do exercise loads: on a small pool with a host tier, resends come
     back from the host and read the bytes the model says they must."""
     cfg = CacheConfig(num_blocks=12, groups=[GroupSpec(kind="full", block_size=4)])
-    totals = [0, 0, 0]
+    totals = [0, 0, 0, 0]
     for seed in range(20):
         drv = TierDriver(cfg, random.Random(seed), [TierSpec("host", 64)])
         Engine(drv, max_len=17).run(30)
@@ -218,8 +264,9 @@ def test_the_property_moves_bytes_through_the_tiers() -> None:
             totals[0] + drv.num_demotes,
             totals[1] + drv.num_loads,
             totals[2] + drv.num_loaded_admissions,
+            totals[3] + drv.num_mirror_tier_hits,
         ]
-    assert all(totals), totals
+    assert all(totals), totals  # the mirror, too, saw lookups whose hit loads from the host
 
 
 # ---------------------------------------------------------------------- worked examples

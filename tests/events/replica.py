@@ -10,8 +10,16 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Sequence
 
-from kvreuse.core import CacheConfig, GroupSpec, KVCacheManager, LookupResult, Request
+from kvreuse.core import (
+    CacheConfig,
+    GroupSpec,
+    KVCacheManager,
+    LookupResult,
+    Request,
+    TierSpec,
+)
 from kvreuse.core import compute_lookup as core_lookup
 from kvreuse.events import Publisher, Subscriber
 from kvreuse.events.mirror import HashChain, ReplicaMirror
@@ -62,9 +70,11 @@ def tcp(endpoint: str) -> str:
 class Replica:
     """One manager and its publisher (PUB and replay bound to free ports on this machine)."""
 
-    def __init__(self, cfg: CacheConfig, **publisher_options: object) -> None:
+    def __init__(
+        self, cfg: CacheConfig, tiers: Sequence[TierSpec] = (), **publisher_options: object
+    ) -> None:
         self.cfg = cfg
-        self.mgr = KVCacheManager(cfg)
+        self.mgr = KVCacheManager(cfg, tiers=tiers)
         options: dict[str, object] = {"endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}
         options.update(publisher_options)
         self.pub = Publisher(cfg.geometry, **options)  # type: ignore[arg-type]

@@ -12,12 +12,14 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import msgspec
 import pytest
 from replica import GEOMETRIES, Replica, agent_turns, shared_prefix
 
+from kvreuse.core import TierSpec
 from kvreuse.events import Subscriber, decode_batch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,9 +32,18 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+# a pool too small for the workload, with a host tier and a store below it: its batches carry
+# the tiers' events in vLLM's `medium` field
+TIERED = replace(GEOMETRIES["dcp4-hybrid"], num_blocks=14)
+TIERS = (TierSpec("host", num_blocks=6, medium="CPU"), TierSpec("store", num_blocks=12))
+
+
 def kvreuse_batches(name: str, mode: str) -> tuple[Replica, list[bytes]]:
     """Run an agent and a shared-prefix workload; every payload the replica published."""
-    replica = Replica(GEOMETRIES[name], buffer_steps=100_000, mode=mode)
+    if name == "dcp4-hybrid-tiered":
+        replica = Replica(TIERED, tiers=TIERS, buffer_steps=100_000, mode=mode)
+    else:
+        replica = Replica(GEOMETRIES[name], buffer_steps=100_000, mode=mode)
     prompts = agent_turns(11, 6) + shared_prefix(12, 6)
     for i, tokens in enumerate(prompts):
         replica.run(f"q{i}", tokens, decode=4)
@@ -51,6 +62,7 @@ def write_ours(folder: Path) -> tuple[dict[str, Replica], dict[str, object]]:
         ("sliding-hybrid", "groups"),
         ("spec-lookahead", "groups"),
         ("sliding-hybrid", "routable"),
+        ("dcp4-hybrid-tiered", "groups"),
     ]:
         replica, payloads = kvreuse_batches(name, mode)
         replicas[f"{name}-{mode}"] = replica
@@ -110,6 +122,9 @@ def test_golden_both_ways_with_vllm(tmp_path: Path) -> None:
             assert theirs.keys() == ours.keys()
             for file, batch in ours.items():
                 assert theirs[file] == json.loads(json.dumps(batch)), file
+            tiered = [f for f in ours if "tiered" in f]
+            media = {e.get("medium") for f in tiered for e in theirs[f][1]}
+            assert {"CPU", "STORE"} <= media, media  # vLLM decoded the tiers' events too
             # 2. kvreuse's subscriber follows vLLM's publisher; the stream went out before it
             # subscribed, so it all arrives through vLLM's replay socket
             mirror = sub.add_replica(

@@ -41,7 +41,15 @@ from kvreuse.core.commit import Outcome
 from kvreuse.core.config import CacheConfig, Geometry, GroupGeometry, GroupSpec
 from kvreuse.core.encoding import TOKEN_TYPECODE
 from kvreuse.core.errors import ConfigError, InvariantError, StaleLookupError, UnknownRequestError
-from kvreuse.core.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, StoredEntry
+from kvreuse.core.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    StoredEntry,
+    TierRemoved,
+    TierStored,
+)
 from kvreuse.core.hashing import Chain, Hasher
 from kvreuse.core.kinds import (
     EntryKind,
@@ -62,9 +70,11 @@ from kvreuse.core.plan import Copy, RecurrentSlot, RequestPlan, Save, StepPlan
 from kvreuse.core.policy import EvictionPolicy, LRUPolicy, PoolView
 from kvreuse.core.request import Deferral, MultiModalItem, Request, SavePurpose
 from kvreuse.core.savepoints import finish_point, replay_point
-from kvreuse.core.tiers import Admission, Demote, Load, Move, TierOp, TierSpec
+from kvreuse.core.tier_lookup import LayeredIndex, source_of, tier_hit_tokens
+from kvreuse.core.tiers import DEVICE_MEDIUM, Admission, Demote, Load, Move, TierOp, TierSpec
 
 __all__ = [
+    "DEVICE_MEDIUM",
     "TOKEN_TYPECODE",
     "Admission",
     "AllBlocksCleared",
@@ -87,6 +97,7 @@ __all__ = [
     "InvariantError",
     "KVCacheManager",
     "LRUPolicy",
+    "LayeredIndex",
     "Load",
     "LookupResult",
     "Move",
@@ -110,12 +121,16 @@ __all__ = [
     "StepPlan",
     "StoredEntry",
     "TierOp",
+    "TierRemoved",
     "TierSpec",
+    "TierStored",
     "UnknownRequestError",
     "compute_lookup",
     "describe_core_path",
     "finish_point",
     "register_kind",
     "replay_point",
+    "source_of",
+    "tier_hit_tokens",
     "unregister_kind",
 ]

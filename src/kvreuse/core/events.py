@@ -72,7 +72,32 @@ class AllBlocksCleared:
     type: Literal["AllBlocksCleared"] = "AllBlocksCleared"
 
 
-Event = BlockStored | BlockRemoved | AllBlocksCleared
+@dataclass(frozen=True, slots=True)
+class TierStored:
+    """Keys a tier below the pool now holds (kvreuse.core.tiers): a block's, as it was demoted
+    or moved down. `entries` are (boundary, key), ascending; `medium` is the tier's."""
+
+    seq: int
+    tier: int
+    medium: str
+    group_id: int
+    entries: tuple[tuple[int, bytes], ...]
+    type: Literal["TierStored"] = "TierStored"
+
+
+@dataclass(frozen=True, slots=True)
+class TierRemoved:
+    """Keys a tier no longer holds (its slot was moved further down or dropped)."""
+
+    seq: int
+    tier: int
+    medium: str
+    group_id: int
+    entries: tuple[tuple[int, bytes], ...]
+    type: Literal["TierRemoved"] = "TierRemoved"
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared | TierStored | TierRemoved
 
 
 class EventLog:
@@ -116,6 +141,18 @@ class EventLog:
         self.seq += 1
         self._push(("C", self.seq))
 
+    def tier_stored(
+        self, tier: int, medium: str, group_id: int, keys: list[tuple[int, bytes]]
+    ) -> None:
+        self.seq += 1
+        self._push(("TS", self.seq, tier, medium, group_id, tuple(keys)))
+
+    def tier_removed(
+        self, tier: int, medium: str, group_id: int, keys: list[tuple[int, bytes]]
+    ) -> None:
+        self.seq += 1
+        self._push(("TR", self.seq, tier, medium, group_id, tuple(keys)))
+
     def take(self, geo: Geometry) -> list[Event]:
         out = [_build(geo, r) for r in self.pending]
         self.pending.clear()
@@ -155,6 +192,10 @@ def _build(geo: Geometry, r: tuple[Any, ...]) -> Event:
         return BlockRemoved(seq=r[1], group_id=r[2], hash=r[3], boundary=r[4], kind=r[5])
     if r[0] == "C":
         return AllBlocksCleared(seq=r[1])
+    if r[0] == "TS":
+        return TierStored(seq=r[1], tier=r[2], medium=r[3], group_id=r[4], entries=r[5])
+    if r[0] == "TR":
+        return TierRemoved(seq=r[1], tier=r[2], medium=r[3], group_id=r[4], entries=r[5])
     _, seq, req, gid, boundaries = r
     g = geo.groups[gid]
     u, lookahead, page = geo.hash_unit, geo.lookahead, g.page_size

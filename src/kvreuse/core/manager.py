@@ -76,7 +76,7 @@ class KVCacheManager(Observed):
         self.cow: Counter[str] = Counter()
         self.epoch = 0
         self._finished: OrderedDict[str, RequestStats] = OrderedDict()
-        self.tiers = TierStack(tiers, [g.kind for g in self.geo.groups])
+        self.tiers = TierStack(tiers, [g.kind for g in self.geo.groups], self.events)
         self._view = TierView(self.pool, self.tiers) if tiers else self.pool
         if tiers:
             self.pool.on_evict = self.tiers.demote
@@ -356,10 +356,11 @@ class KVCacheManager(Observed):
         self.epoch += 1
 
     def reset(self) -> bool:
-        """Drop every key if no block is in use (spec §11.6)."""
+        """Drop every key, the tiers' too, if no block is in use (spec §11.6)."""
         if self.pool.num_free != self.pool.num_blocks - 1:
             return False
         self.pool.clear_keys()  # the pool records AllBlocksCleared
+        self.tiers.clear()  # a reset forgets the tiers too: their bytes may be stale (weights)
         self.epoch += 1
         return True
 

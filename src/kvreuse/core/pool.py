@@ -337,13 +337,13 @@ class BlockPool:
             num_keys = len(gone)
         if not num_blocks:
             return
-        if victims:
-            assert self.on_evict is not None
-            self.on_evict(victims)
         if events and gone is not None:
             removed, page = self.events.removed, self._full_page
             for gid, key, bd in gone:
                 removed(gid, key, bd, entry_kind(page[gid], bd))
+        if victims:  # after the removals: a consumer sees a key leave the device, then land
+            assert self.on_evict is not None
+            self.on_evict(victims)
         self.num_removed_keys += num_keys
         self.num_evicted_blocks += num_blocks
 

@@ -42,7 +42,7 @@ def source_of(virtual: int) -> tuple[int, int]:
     return v // _TIER_STRIDE, v % _TIER_STRIDE
 
 
-class _Layered(Mapping[bytes, int]):
+class LayeredIndex(Mapping[bytes, int]):
     """One group's keys: the pool's index first, then each tier's (as virtual ids)."""
 
     __slots__ = ("device", "tiers")
@@ -87,8 +87,8 @@ class TierView:
 
     def __init__(self, pool: BlockPool, tiers: TierStack) -> None:
         self.pool = pool
-        self.index: list[_Layered] = [
-            _Layered(pool.index[gid], [tier.index[gid] for tier in tiers.tiers])
+        self.index: list[LayeredIndex] = [
+            LayeredIndex(pool.index[gid], [tier.index[gid] for tier in tiers.tiers])
             for gid in range(len(pool.index))
         ]
 
@@ -107,6 +107,17 @@ def tier_sources(res: LookupResult) -> list[tuple[int, int, int]]:
         src = res.state_src.get(gid)
         if src is not None and src < 0:
             out.append((gid, *source_of(src)))
+    return out
+
+
+def tier_hit_tokens(res: LookupResult, group_id: int, page_size: int, num_tiers: int) -> list[int]:
+    """Per tier, the tokens of the hit on the pages of group `group_id` (a full-attention
+    group, pages of `page_size` tokens) that the hit loads from that tier: what a tier gives
+    back, counted as the hit counters count tokens."""
+    out = [0] * num_tiers
+    for j, blk in enumerate(res.slots.get(group_id, ())):
+        if blk < 0:
+            out[source_of(blk)[0]] += min((j + 1) * page_size, res.hit) - j * page_size
     return out
 
 
@@ -169,10 +180,8 @@ class TierLoads:
         counted too: the tokens of the hit on the pages it loaded of the first full-attention
         group."""
         if first and self._full is not None:
-            gid, B = self._full
-            for j, blk in enumerate(res.slots.get(gid, ())):
-                if blk < 0:
-                    self.tiers.hit_tokens[source_of(blk)[0]] += min((j + 1) * B, res.hit) - j * B
+            got = tier_hit_tokens(res, *self._full, len(self.tiers.tiers))
+            self.tiers.hit_tokens = [a + b for a, b in zip(self.tiers.hit_tokens, got, strict=True)]
         res, self._pending = load_hit(self.pool, self.tiers, res)
         return res
 

@@ -28,8 +28,11 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Protocol
 
 from kvreuse.core.errors import ConfigError, InvariantError
+
+DEVICE_MEDIUM = "GPU"  # what the device pool's events say (vLLM's value)
 
 
 class Admission(StrEnum):
@@ -39,13 +42,16 @@ class Admission(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class TierSpec:
-    """One tier: a name (events and metrics show it), its capacity in blocks of the pool's
-    size, and what it admits per group kind (kinds not named take `default`)."""
+    """One tier: a name (metrics and reports show it), its capacity in blocks of the pool's
+    size, what it admits per group kind (kinds not named take `default`), and the `medium` its
+    KV events name (vLLM's field; the name in capitals unless given: vLLM's own offloading
+    connector says "CPU" for host memory, the device is "GPU")."""
 
     name: str
     num_blocks: int
     admission: Mapping[str, Admission] = field(default_factory=dict)
     default: Admission = Admission.ON_EVICTION
+    medium: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -61,6 +67,13 @@ class TierSpec:
                 raise ConfigError(
                     f"tier {self.name!r}: admission of {kind!r} is {rule!r}; allowed: {allowed}"
                 )
+        if not self.medium:
+            object.__setattr__(self, "medium", self.name.upper())
+        if not isinstance(self.medium, str) or self.medium.upper() == DEVICE_MEDIUM:
+            raise ConfigError(
+                f"tier {self.name!r}: medium {self.medium!r} is not allowed: {DEVICE_MEDIUM!r} "
+                "names the device pool itself; e.g. 'CPU' for host memory"
+            )
 
     def admits(self, kind: str) -> bool:
         return self.admission.get(kind, self.default) is not Admission.NEVER
@@ -101,6 +114,16 @@ TierOp = Demote | Move | Load
 Keys = list[tuple[int, bytes]]  # (boundary, key), ascending: the keys one block carries
 
 
+class TierEvents(Protocol):
+    """Where a tier's index changes go (the manager's `EventLog`)."""
+
+    enabled: bool
+
+    def tier_stored(self, tier: int, medium: str, group_id: int, keys: Keys) -> None: ...
+
+    def tier_removed(self, tier: int, medium: str, group_id: int, keys: Keys) -> None: ...
+
+
 @dataclass(slots=True)
 class Slot:
     group_id: int
@@ -134,26 +157,43 @@ class Tier:
                 return s
         return None
 
-    def take(self, slot: int) -> Slot:
-        """Remove a slot (its keys leave the index) and free its number."""
+    def take(self, slot: int) -> tuple[Slot, Keys]:
+        """Remove a slot and free its number; returns it and the keys that left the index
+        (those another slot indexed first stay)."""
         entry = self.slots.pop(slot)
         del self.order[slot]
         idx = self.index[entry.group_id]
-        for _, key in entry.keys:
+        gone: Keys = []
+        for bd, key in entry.keys:
             if idx.get(key) == slot:
                 del idx[key]
+                gone.append((bd, key))
         self._free.append(slot)
-        return entry
+        return entry, gone
 
-    def place(self, entry: Slot) -> int:
-        """Put `entry` in a free slot (the caller made room) as the most recently used."""
+    def place(self, entry: Slot) -> tuple[int, Keys]:
+        """Put `entry` in a free slot (the caller made room) as the most recently used; returns
+        the slot and the keys it added to the index (one another slot indexes keeps that slot)."""
         slot = self._free.pop()
         self.slots[slot] = entry
         self.order[slot] = None
         idx = self.index[entry.group_id]
-        for _, key in entry.keys:
-            idx.setdefault(key, slot)
-        return slot
+        new: Keys = []
+        for bd, key in entry.keys:
+            if key not in idx:
+                idx[key] = slot
+                new.append((bd, key))
+        return slot, new
+
+    def clear(self) -> None:
+        """Forget every slot, in place: views over the index (kvreuse.core.tier_lookup) stay
+        bound to it."""
+        self.slots.clear()
+        for idx in self.index:
+            idx.clear()
+        self.order.clear()
+        self.pinned.clear()
+        self._free = list(range(self.spec.num_blocks - 1, -1, -1))
 
     def is_full(self) -> bool:
         return not self._free
@@ -173,10 +213,15 @@ class Tier:
 class TierStack:
     """The tiers below one pool, in order, and the ops decided since they were last taken."""
 
-    def __init__(self, specs: Sequence[TierSpec], kinds: Sequence[str]) -> None:
-        names = [s.name for s in specs]
+    def __init__(
+        self, specs: Sequence[TierSpec], kinds: Sequence[str], log: TierEvents | None = None
+    ) -> None:
+        names, media = [s.name for s in specs], [s.medium for s in specs]
         if len(set(names)) != len(names):
             raise ConfigError(f"tier names must differ (got {names})")
+        if len(set(media)) != len(media):
+            raise ConfigError(f"tier media must differ: events tell tiers apart (got {media})")
+        self.log = log  # where index changes go as KV events (TierStored, TierRemoved)
         self.kinds = list(kinds)  # per group id, its kind's name
         self.tiers = [Tier(s, len(kinds)) for s in specs]
         self.ops: list[TierOp] = []
@@ -211,7 +256,7 @@ class TierStack:
                 continue
             for t, tier in enumerate(self.tiers):
                 if tier.spec.admits(self.kinds[gid]) and self._make_room(t):
-                    slot = tier.place(Slot(gid, list(keys)))
+                    slot = self._place(t, Slot(gid, keys))
                     self.ops.append(Demote(t, slot, gid, block_id))
                     self.num_demoted += 1
                     break
@@ -234,14 +279,23 @@ class TierStack:
             if below.find(entry.group_id, entry.keys[-1][1]) is not None:
                 break  # already there: nothing to copy
             if below.spec.admits(kind) and self._make_room(d):
-                self.ops.append(
-                    Move(t, victim, d, below.place(Slot(entry.group_id, list(entry.keys))))
-                )
+                self.ops.append(Move(t, victim, d, self._place(d, entry)))
                 break
         else:
             self.num_dropped += 1
-        tier.take(victim)
+        self._take(t, victim)
         return True
+
+    def _place(self, t: int, entry: Slot) -> int:
+        slot, new = self.tiers[t].place(Slot(entry.group_id, list(entry.keys)))
+        if new and self.log is not None and self.log.enabled:
+            self.log.tier_stored(t, self.tiers[t].spec.medium, entry.group_id, new)
+        return slot
+
+    def _take(self, t: int, slot: int) -> None:
+        entry, gone = self.tiers[t].take(slot)
+        if gone and self.log is not None and self.log.enabled:
+            self.log.tier_removed(t, self.tiers[t].spec.medium, entry.group_id, gone)
 
     # ------------------------------------------------------------------ loads
     def pin(self, sources: Iterable[tuple[int, int]]) -> None:
@@ -263,9 +317,10 @@ class TierStack:
         return list(entry.keys)
 
     def clear(self) -> None:
-        """Forget every slot of every tier (bytes left behind are never read again)."""
-        for t, tier in enumerate(self.tiers):
-            self.tiers[t] = Tier(tier.spec, len(self.kinds))
+        """Forget every slot of every tier (bytes left behind are never read again); the
+        pool's AllBlocksCleared event, which `reset()` records, says so to consumers."""
+        for tier in self.tiers:
+            tier.clear()
 
     # ------------------------------------------------------------------ views
     def export_entries(self) -> list[tuple[int, int, int, bytes, int]]:

@@ -14,6 +14,12 @@ the salt among block 1's extra keys; otherwise a salted chain is visible only th
 
 The work per event is a few slices and one C-level conversion of the hashes (`low64`): no
 Python object per unit but the ints msgpack needs.
+
+A tier's keys (`TierStored` / `TierRemoved`, kvreuse.core.tiers) go out as vLLM's offloading
+connector sends its own: a `BlockStored` or `BlockRemoved` whose `medium` is the tier's ("CPU"
+for host memory), with the hashes only, no tokens and no parent (the device's events named the
+chain before the block was demoted). A converter made with `tiers=False` leaves them out, for
+consumers that read no `medium` and would take a host copy for a device block.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from typing import Any
 from kvreuse.core import AllBlocksCleared as CoreCleared
 from kvreuse.core import BlockRemoved as CoreRemoved
 from kvreuse.core import BlockStored as CoreStored
-from kvreuse.core import Event, Geometry, GroupGeometry, Stage
+from kvreuse.core import Event, Geometry, GroupGeometry, Stage, TierRemoved, TierStored
 from kvreuse.events.wire import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -69,10 +75,14 @@ def attention_group(geo: Geometry) -> GroupGeometry:
 
 
 class Converter:
-    """Turns core events into wire events for the groups `groups` selects (all by default)."""
+    """Turns core events into wire events for the groups `groups` selects (all by default),
+    the tiers' too unless `tiers` is False (a consumer that reads no `medium`)."""
 
-    def __init__(self, geo: Geometry, groups: Iterable[int] | None = None) -> None:
+    def __init__(
+        self, geo: Geometry, groups: Iterable[int] | None = None, *, tiers: bool = True
+    ) -> None:
         self.geo = geo
+        self.tiers = tiers
         cacheable = {g.group_id for g in geo.cacheable}
         self.group_ids = cacheable if groups is None else set(groups) & cacheable
         # per group: (kv_cache_spec_kind, kv_cache_spec_sliding_window), looked up per event;
@@ -90,16 +100,46 @@ class Converter:
                     self.removed(out, ev.group_id, hash64(ev.hash))
             elif isinstance(ev, CoreCleared):
                 out.append(AllBlocksCleared())
+            elif (
+                isinstance(ev, TierStored | TierRemoved)
+                and self.tiers
+                and ev.group_id in self.group_ids
+            ):
+                self.tier(out, ev)
         return out
 
     @staticmethod
-    def removed(out: list[WireEvent], gid: int, key: int) -> None:
-        """Appends a removal; consecutive removals in one group share one event."""
+    def removed(out: list[WireEvent], gid: int, key: int, medium: str = MEDIUM_GPU) -> None:
+        """Appends a removal; consecutive removals in one group and medium share one event."""
         last = out[-1] if out else None
-        if isinstance(last, BlockRemoved) and last.group_idx == gid:
+        if isinstance(last, BlockRemoved) and last.group_idx == gid and last.medium == medium:
             last.block_hashes.append(key)
         else:
-            out.append(BlockRemoved([key], MEDIUM_GPU, group_idx=gid))
+            out.append(BlockRemoved([key], medium, group_idx=gid))
+
+    def tier(self, out: list[WireEvent], ev: TierStored | TierRemoved) -> None:
+        """A tier's keys, as vLLM's offloading connector sends its own: the hashes and the
+        medium, no tokens and no parent (the device's events named the chain before)."""
+        keys = low64([k for _, k in ev.entries])
+        if isinstance(ev, TierRemoved):
+            for key in keys:
+                self.removed(out, ev.group_id, key, ev.medium)
+            return
+        kind, window = self._spec[ev.group_id]
+        out.append(
+            BlockStored(
+                block_hashes=keys,
+                parent_block_hash=None,
+                token_ids=[],
+                block_size=self.geo.hash_unit,
+                lora_id=None,
+                medium=ev.medium,
+                lora_name=None,
+                group_idx=ev.group_id,
+                kv_cache_spec_kind=kind,
+                kv_cache_spec_sliding_window=window,
+            )
+        )
 
     def stored(self, out: list[WireEvent], ev: CoreStored) -> None:
         """Appends one wire event per unit-contiguous piece of the run `ev`."""

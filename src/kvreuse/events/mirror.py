@@ -19,15 +19,30 @@ its child was stored: a sliding window's or a chunk's old page). A parent known 
 -1 and is counted (`unknown_parents`). There is no ghost record either: `in_ghost` remembers
 the last removals of each group (bounded like the core's ghost), which only refines the reason
 code of a miss. Bounded memos evict in insertion order in O(1) (`OrderedDict`), at any size.
+
+Tiers below the device (kvreuse.core.tiers) send their own events, told apart by vLLM's
+`medium` field: the device's say "GPU" (or nothing, from older publishers), a tier's its own
+medium ("CPU" for host memory). Each medium gets its own entries per group, in the order
+`tiers` gives (then in the order media are first seen), and `tiered` is an `IndexView` over
+the device and then every tier, as the replica's own lookup sees its pool and tiers: a tier
+entry stands for a virtual block id below zero (`kvreuse.core.tier_lookup`), so a lookup on it
+says which tier each block of the hit would be loaded from.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
-from kvreuse.core import Geometry
-from kvreuse.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, WireEvent, hash64
+from kvreuse.core import Geometry, LayeredIndex
+from kvreuse.events.wire import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    WireEvent,
+    hash64,
+)
 
 
 class TruncatedIndex(Mapping[bytes, int]):
@@ -65,11 +80,21 @@ class ReplicaMirror:
     every group (default: the geometry's ghost capacity, at least 1,024)."""
 
     def __init__(
-        self, geometry: Geometry, default_group: int = 0, *, removed_memo: int | None = None
+        self,
+        geometry: Geometry,
+        default_group: int = 0,
+        *,
+        removed_memo: int | None = None,
+        tiers: Sequence[str] = (),
     ) -> None:
         self.geometry = geometry
         self.default_group = default_group  # where events without `group_idx` go (legacy)
         self._index = [TruncatedIndex() for _ in geometry.groups]
+        self.media: list[str] = []  # the tiers' media, in tier order (module docstring)
+        self._tiers: list[list[TruncatedIndex]] = []  # [tier][group]
+        self._tiered: _TieredView | None = None
+        for medium in tiers:
+            self._tier(medium)
         self._ghost: list[OrderedDict[int, None]] = [OrderedDict() for _ in geometry.groups]
         self._removed: OrderedDict[int, int] = OrderedDict()  # hash64 → boundary, left all
         if removed_memo is None:
@@ -91,8 +116,29 @@ class ReplicaMirror:
         """hash64 → boundary (-1 if unknown) of every entry resident in the group."""
         return self._index[group_id].entries
 
+    def tier_entries(self, tier: int, group_id: int) -> dict[int, int]:
+        """hash64 → boundary (0 if unknown) of every entry tier `tier` holds in the group."""
+        return self._tiers[tier][group_id].entries
+
+    @property
+    def tiered(self) -> _TieredView:
+        """An IndexView over the device's entries and then each tier's (module docstring)."""
+        if self._tiered is None:
+            self._tiered = _TieredView(self)
+        return self._tiered
+
+    def _tier(self, medium: str) -> int:
+        """The tier number of `medium`, given one when it is first seen."""
+        try:
+            return self.media.index(medium)
+        except ValueError:
+            self.media.append(medium)
+            self._tiers.append([TruncatedIndex() for _ in self.geometry.groups])
+            self._tiered = None
+            return len(self.media) - 1
+
     def clear(self) -> None:
-        for idx in self._index:
+        for idx in (*self._index, *(i for tier in self._tiers for i in tier)):
             idx.entries.clear()
         for ghost in self._ghost:
             ghost.clear()
@@ -110,7 +156,7 @@ class ReplicaMirror:
                         f"BlockStored of block_size {ev.block_size}; this geometry's hash unit "
                         f"is {u}"
                     )
-                if len(ev.token_ids) != u * len(ev.block_hashes):
+                if _on_device(ev.medium) and len(ev.token_ids) != u * len(ev.block_hashes):
                     raise MirrorError(
                         f"BlockStored of {len(ev.block_hashes)} block(s) carries "
                         f"{len(ev.token_ids)} token ids, not {u} per block"
@@ -119,13 +165,32 @@ class ReplicaMirror:
     def apply(self, events: list[WireEvent]) -> None:
         for ev in events:
             if isinstance(ev, BlockStored):
-                self._stored(ev)
+                if _on_device(ev.medium):
+                    self._stored(ev)
+                else:
+                    self._tier_stored(ev)
             elif isinstance(ev, BlockRemoved):
                 gid = self._group(ev.group_idx)
-                if gid is not None:
+                if gid is None:
+                    continue
+                if _on_device(ev.medium):
                     self._removed_from(gid, ev.block_hashes)
+                else:
+                    entries = self._tiers[self._tier(str(ev.medium))][gid].entries
+                    for h in ev.block_hashes:
+                        entries.pop(h, None)
             elif isinstance(ev, AllBlocksCleared):
                 self.clear()
+
+    def _tier_stored(self, ev: BlockStored) -> None:
+        """A tier's keys (hashes only, as vLLM's offloading connector sends them): each keeps
+        the boundary known for it, 0 when none is (a tier entry's value is never read as one)."""
+        gid = self._group(ev.group_idx)
+        if gid is None:
+            return
+        entries = self._tiers[self._tier(str(ev.medium))][gid].entries
+        for h in ev.block_hashes:
+            entries[h] = max(0, self.boundary(h))
 
     def _group(self, group_idx: int | None) -> int | None:
         gid = self.default_group if group_idx is None else group_idx
@@ -141,7 +206,13 @@ class ReplicaMirror:
             at = idx.entries.get(key, -1)
             if at >= 0:
                 return at
-        return self._removed.get(key, -1)
+        at = self._removed.get(key, -1)
+        if at < 0:  # a parent held only in a tier (loaded back, its child is stored)
+            for tier in self._tiers:
+                for idx in tier:
+                    if idx.entries.get(key, 0) > 0:
+                        return idx.entries[key]
+        return at
 
     def _stored(self, ev: BlockStored) -> None:
         gid = self._group(ev.group_idx)
@@ -175,6 +246,40 @@ class ReplicaMirror:
                 removed.move_to_end(h)
                 if len(removed) > capacity:
                     removed.popitem(last=False)
+
+
+def _on_device(medium: str | None) -> bool:
+    return medium is None or medium == MEDIUM_GPU
+
+
+class _Layered(LayeredIndex):
+    """A group's device entries, then its tiers': a device entry of unknown boundary (-1)
+    reads as 0 here, so that only a tier's entries read below zero."""
+
+    __slots__ = ()
+
+    def get(self, key: bytes, default: int | None = None) -> int | None:  # type: ignore[override]
+        at = self.device.get(key)
+        if at is not None:
+            return at if at >= 0 else 0
+        return super().get(key, default)
+
+
+class _TieredView:
+    """The IndexView of `ReplicaMirror.tiered`: per group, the device's entries and then each
+    tier's, a tier's as virtual ids (the lookup reads keys; the values only say where)."""
+
+    __slots__ = ("index", "mirror")
+
+    def __init__(self, mirror: ReplicaMirror) -> None:
+        self.mirror = mirror
+        self.index = [
+            _Layered(device, [tier[gid] for tier in mirror._tiers])
+            for gid, device in enumerate(mirror.index)
+        ]
+
+    def in_ghost(self, group_id: int, key: bytes) -> bool:
+        return self.mirror.in_ghost(group_id, key)
 
 
 class HashChain:

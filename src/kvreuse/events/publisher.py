@@ -133,7 +133,9 @@ class Publisher:
         self._queue: queue.Queue[Sequence[Event]] = queue.Queue(maxsize=max_queue_size)
         groups = [attention_group(geometry).group_id] if mode != "groups" else None
         self._converter: Converter | RoutableFilter = (
-            RoutableFilter(geometry) if mode == "routable" else Converter(geometry, groups)
+            RoutableFilter(geometry)
+            if mode == "routable"
+            else Converter(geometry, groups, tiers=mode == "groups")
         )
         self._next_seq = 0
         self._stop = threading.Event()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 import zmq
 
@@ -48,6 +49,7 @@ class Subscriber:
         topic: str = "",
         bind: bool | None = None,
         curve_public_key: str | None = None,
+        tiers: Sequence[str] = (),
     ) -> ReplicaMirror:
         """Follow a replica's stream.
 
@@ -55,11 +57,12 @@ class Subscriber:
         connects to a specific address, and any other connects (ipc and inproc publishers
         bind, as in vLLM); `bind` overrides it. The replay endpoint always connects.
         `curve_public_key`: the replica publisher's CURVE public key; then only that publisher
-        can reach these sockets (`kvreuse.events.curve`).
+        can reach these sockets (`kvreuse.events.curve`). `tiers`: the media of the replica's
+        tiers, in order (`ReplicaMirror`; a medium not named is added when first seen).
         """
         if name in self._streams:
             raise ValueError(f"replica {name!r} is already followed")
-        mirror = ReplicaMirror(geometry, attention_group(geometry).group_id)
+        mirror = ReplicaMirror(geometry, attention_group(geometry).group_id, tiers=tiers)
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
