@@ -295,6 +295,8 @@ def test_an_evicted_prefix_comes_back_from_the_host() -> None:
     loads = [op for op in step.tier_ops if isinstance(op, Load)]
     assert [op.block_id for op in loads] == step.requests[0].tables[0][:4]
     assert mgr.tiers.hit_tokens == [16]  # all of c's hit came from the host
+    assert mgr.request_stats("c").tier_tokens == (16,)
+    assert mgr.request_stats("a").tier_tokens == ()  # a loaded nothing
     # the loaded pages are device pages again: the next resend loads nothing
     res, step = _run(mgr, "d", prompt)
     assert res.hit == 16 and not res.loads

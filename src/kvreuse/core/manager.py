@@ -43,7 +43,7 @@ from kvreuse.core.pool import BlockPool
 from kvreuse.core.request import Deferral, Phase, Request, RequestState, new_request_state
 from kvreuse.core.rules import check_allocate, plain_growth
 from kvreuse.core.savepoints import planned_positions, save_positions
-from kvreuse.core.tier_lookup import TierLoads, TierView, device_hits, tier_sources
+from kvreuse.core.tier_lookup import NO_TIER_TOKENS, TierLoads, TierView, device_hits, tier_sources
 from kvreuse.core.tiers import TierSpec, TierStack
 
 
@@ -184,14 +184,14 @@ class KVCacheManager(Observed):
             need = admission_required(geo, pool, lookup, end, num_extra_slots, hits)
             if need + len(lookup.loads) > free - self.config.admission_watermark_blocks:
                 return None
-            res = lookup
+            res, from_tiers = lookup, NO_TIER_TOKENS
             if lookup.loads:
                 pool.adopt_many(hits)  # before the loads' pops, which must not evict them
-                res, hits = self.loads.begin(lookup, st.admissions == 0), []
+                (res, from_tiers), hits = self.loads.begin(lookup, st.admissions == 0), []
             rec = admit(geo, pool, self.counters, st, res, num_new_tokens, num_extra_slots, hits)
             if lookup.loads:
                 self.loads.note(rec)
-            count_admission(self.counters, self.reasons, st, lookup.hit, lookup.reason)
+            count_admission(self.counters, self.reasons, st, lookup.hit, lookup.reason, from_tiers)
         else:
             rec = grow(geo, pool, self.counters, st, num_new_tokens, num_extra_slots)
             if rec is None:

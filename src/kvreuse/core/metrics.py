@@ -34,7 +34,10 @@ COUNTER_NAMES = (
 
 @dataclass(frozen=True, slots=True)
 class RequestStats:
-    """What one request got from the cache: its first admission's hit, and its latest."""
+    """What one request got from the cache: its first admission's hit, and its latest.
+    `tier_tokens`: per tier below the pool, the tokens of the first hit loaded from it (counted
+    on the first full-attention group's pages, as `TierStack.hit_tokens`); empty without tiers
+    or without loads."""
 
     request_id: str
     cached_tokens: int
@@ -42,14 +45,21 @@ class RequestStats:
     admissions: int
     last_hit: int
     last_reason: str
+    tier_tokens: tuple[int, ...] = ()
 
 
 def count_admission(
-    counters: Counter[str], reasons: Counter[str], st: RequestState, hit: int, reason: str
+    counters: Counter[str],
+    reasons: Counter[str],
+    st: RequestState,
+    hit: int,
+    reason: str,
+    tier_tokens: tuple[int, ...] = (),
 ) -> None:
     """12.1: a first admission moves the prefix_cache_* counters, a re-admission the
-    preempted_* ones; per-request statistics keep the first admission's hit and reason."""
-    if st.note_admission(hit, reason):
+    preempted_* ones; per-request statistics keep the first admission's hit and reason (and
+    what of it each tier gave, `RequestStats.tier_tokens`)."""
+    if st.note_admission(hit, reason, tier_tokens):
         counters["prefix_cache_requests"] += 1
         counters["prefix_cache_queries"] += st.prompt_len
         counters["prefix_cache_hits"] += hit

@@ -37,7 +37,13 @@ class Observed:
 
     def _stats(self, st: RequestState) -> RequestStats:
         return RequestStats(
-            st.request_id, st.first_hit, st.first_reason, st.admissions, st.last_hit, st.last_reason
+            st.request_id,
+            st.first_hit,
+            st.first_reason,
+            st.admissions,
+            st.last_hit,
+            st.last_reason,
+            st.first_tier_tokens,
         )
 
     def request_stats(self, req_id: str) -> RequestStats:

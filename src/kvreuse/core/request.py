@@ -167,6 +167,7 @@ class RequestState:
     admissions: int = 0
     first_hit: int = 0
     first_reason: str = "not_admitted"
+    first_tier_tokens: tuple[int, ...] = ()
     last_hit: int = 0
     last_reason: str = "not_admitted"
 
@@ -192,11 +193,12 @@ class RequestState:
         self.published_states = {gid: [] for gid in recurrent} if recurrent else {}
         self.phase = Phase.RUNNING
 
-    def note_admission(self, hit: int, reason: str) -> bool:
+    def note_admission(self, hit: int, reason: str, tier_tokens: tuple[int, ...] = ()) -> bool:
         """Record an admission's hit and reason; True for the first admission."""
         first = self.admissions == 0
         if first:
             self.first_hit, self.first_reason = hit, reason
+            self.first_tier_tokens = tier_tokens
         self.admissions += 1
         self.last_hit, self.last_reason = hit, reason
         return first

@@ -30,6 +30,7 @@ from kvreuse.core.pool import BlockPool
 from kvreuse.core.tiers import TierStack
 
 _TIER_STRIDE = 1 << 32
+NO_TIER_TOKENS: tuple[int, ...] = ()  # an admission that loaded nothing
 
 
 def virtual_id(t: int, slot: int) -> int:
@@ -174,16 +175,17 @@ class TierLoads:
     def __bool__(self) -> bool:
         return bool(self._of)
 
-    def begin(self, res: LookupResult, first: bool) -> LookupResult:
-        """`load_hit`, its loads kept for the record `note` gets next. On a request's first
-        admission (`first`, what the hit counters count), the hit tokens each tier gave are
-        counted too: the tokens of the hit on the pages it loaded of the first full-attention
-        group."""
+    def begin(self, res: LookupResult, first: bool) -> tuple[LookupResult, tuple[int, ...]]:
+        """`load_hit`, its loads kept for the record `note` gets next; returns the result with
+        real block ids and, on a request's first admission (`first`, what the hit counters
+        count), the hit tokens each tier gave (the tokens of the hit on the pages it loaded of
+        the first full-attention group), which are added to the stack's counts too."""
+        got = NO_TIER_TOKENS
         if first and self._full is not None:
-            got = tier_hit_tokens(res, *self._full, len(self.tiers.tiers))
+            got = tuple(tier_hit_tokens(res, *self._full, len(self.tiers.tiers)))
             self.tiers.hit_tokens = [a + b for a, b in zip(self.tiers.hit_tokens, got, strict=True)]
         res, self._pending = load_hit(self.pool, self.tiers, res)
-        return res
+        return res, got
 
     def note(self, rec: PlanRecord) -> None:
         self._of[id(rec)] = (rec, self._pending)

@@ -149,10 +149,10 @@ def read_inputs(args: argparse.Namespace) -> tuple[Deployment, list[WorkloadRequ
 
 def with_tiers(geo: Deployment, host_tokens: int | None, store_tokens: int | None) -> Deployment:
     """`geo` with a host and/or store tier, each sized in blocks as a pool of that many
-    tokens would be (the null block aside)."""
+    tokens would be (the null block aside); the host's KV events say "CPU", as vLLM's."""
     tiers = [
-        TierSpec(name, geo.cache.blocks_for_request(tokens))
-        for name, tokens in (("host", host_tokens), ("store", store_tokens))
+        TierSpec(name, geo.cache.blocks_for_request(tokens), medium=medium)
+        for name, medium, tokens in (("host", "CPU", host_tokens), ("store", "", store_tokens))
         if tokens is not None
     ]
     return replace(geo, tiers=(*geo.tiers, *tiers)) if tiers else geo

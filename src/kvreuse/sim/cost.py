@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from kvreuse.core import KVCacheManager, Request, StepPlan
+from kvreuse.core import KVCacheManager, Request, StepPlan, TierSpec
 from kvreuse.deployment import COST_LIMITS, Deployment, DeploymentSpec, cost_problem, resolve
 from kvreuse.sched import DecodeScript, Engine, FakeEngine, Scheduler, Seq
 
@@ -54,6 +54,13 @@ class CostModel:
             raise TypeError(f"unknown cost field(s) {unknown}; fields: {sorted(COST_LIMITS)}")
         given = {k: v for k, v in overrides.items() if v is not None}
         return cls(**{**dep.cost, **given})
+
+    def tier_rate(self, spec: TierSpec) -> tuple[float, float]:
+        """(tokens per second, seconds per step that loads) of a tier: the host's rates for
+        the tier named "host", the store's for any other."""
+        if spec.name == "host":
+            return self.host_tokens_per_s, self.host_step_s
+        return self.store_tokens_per_s, self.store_step_s
 
     def prefill_time(
         self, num_prefill_tokens: int, num_saved_states: int = 0, num_prefill_chunks: int = 0
@@ -153,9 +160,7 @@ class TierLoadMeter:
     def __init__(self, mgr: KVCacheManager, cost: CostModel) -> None:
         self.stack = mgr.tiers
         self.pages = [g.page_size for g in mgr.geo.groups]
-        host = (cost.host_tokens_per_s, cost.host_step_s)
-        store = (cost.store_tokens_per_s, cost.store_step_s)
-        self.rates = [host if t.spec.name == "host" else store for t in self.stack.tiers]
+        self.rates = [cost.tier_rate(t.spec) for t in self.stack.tiers]
         self.seen = [list(row) for row in self.stack.num_loaded]
         self.seconds = [0.0] * len(self.rates)
 

@@ -10,26 +10,39 @@
                      would really reuse
 
 `attention-chain` and `exact` minimise the cost `(prompt − predicted) + load_weight × load`
-(`cheapest`). Every prediction is capped at the request's `top`.
+(`cheapest`). Every prediction is capped at the request's `top`. On a replica with tiers below
+its pool, `exact` looks up the mirror's layered view (device, then each tier) and adds the price
+of the loads its hit needs (`TierPrice`): a device hit is cheapest, then a load, then recompute.
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
-from kvreuse.core import Geometry, compute_lookup
-from kvreuse.events import attention_group
+from kvreuse.core import Geometry, LookupResult, compute_lookup, tier_hit_tokens, tier_sources
+from kvreuse.events import ReplicaMirror, attention_group
 from kvreuse.fleet import POLICIES, TEXT_MATCH_THRESHOLD, check_policy
-from kvreuse.fleet.routing.query import FleetView, Query
+from kvreuse.fleet.routing.query import UNKNOWN_TIER_PRICE, FleetView, Query, TierPrice
 
 # Ray Serve's PrefixCacheAffinityRouter defaults besides the match threshold: its queue
 # imbalance fallback is off (an infinite threshold) and its prefix tree evicts nothing.
 TEXT_IMBALANCE = math.inf
 
-Choice = tuple[int, list[int] | None, list[float] | None]  # replica, predictions, costs
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """A policy's pick: the replica, the cached tokens it predicts on each replica (None when
+    it predicts none), the costs it compared (None when it compared none) and, per replica,
+    the tokens of the predicted hit each tier below the pool would give (None without tiers)."""
+
+    index: int
+    predicted: list[int] | None = None
+    costs: list[float] | None = None
+    from_tiers: list[tuple[int, ...]] | None = None
 
 
 class Policy(Protocol):
@@ -69,12 +82,19 @@ class Turn:
 
 
 def cheapest(
-    view: FleetView, query: Query, predicted: Sequence[int], turn: Turn | None = None
+    view: FleetView,
+    query: Query,
+    predicted: Sequence[int],
+    turn: Turn | None = None,
+    extra: Sequence[float] | None = None,
 ) -> tuple[int, list[float]]:
-    """The replica of lowest `(prompt − predicted) + load_weight × load`; ties go to the lower
-    load, then to the replica whose turn it is (`Turn`; without one, the lower index)."""
+    """The replica of lowest `(prompt − predicted) + extra + load_weight × load` (`extra`: the
+    price of its tier loads, none by default); ties go to the lower load, then to the replica
+    whose turn it is (`Turn`; without one, the lower index)."""
     w, loads, n = view.load_weight, view.load_tokens, query.num_tokens
     costs = [n - p + w * load for p, load in zip(predicted, loads, strict=True)]
+    if extra is not None:
+        costs = [c + x for c, x in zip(costs, extra, strict=True)]
     size = len(costs)
     order = turn.order if turn is not None else lambda r, _n: r
     best = min(range(size), key=lambda r: (costs[r], loads[r], order(r, size)))
@@ -103,7 +123,7 @@ class RoundRobin:
         pass
 
     def choose(self, view: FleetView, query: Query) -> Choice:
-        return self.next % len(view.names), None, None
+        return Choice(self.next % len(view.names))
 
     def routed(self, index: int, query: Query) -> None:
         self.next = index + 1
@@ -119,7 +139,7 @@ class LeastLoaded:
         pass
 
     def choose(self, view: FleetView, query: Query) -> Choice:
-        return least_loaded(view, turn=self.turn), None, None
+        return Choice(least_loaded(view, turn=self.turn))
 
     def routed(self, index: int, query: Query) -> None:
         self.turn.routed(index)
@@ -180,7 +200,7 @@ class TextPrefix:
         predicted = [min(k * u, top) for k in matches]
         counts = view.num_requests
         if max(counts) - min(counts) > self.imbalance:
-            return least_loaded(view, turn=self.turn), predicted, None
+            return Choice(least_loaded(view, turn=self.turn), predicted)
         best = max(matches)
         if best * u >= self.threshold * query.num_tokens:
             candidates = [r for r, k in enumerate(matches) if k == best]
@@ -190,7 +210,7 @@ class TextPrefix:
             candidates = [r for r, s in enumerate(sizes) if s == smallest]
         loads, size, order = view.load_tokens, len(counts), self.turn.order
         best_replica = min(candidates, key=lambda r: (counts[r], loads[r], order(r, size)))
-        return best_replica, predicted, None
+        return Choice(best_replica, predicted)
 
     def routed(self, index: int, query: Query) -> None:
         self.turn.routed(index)
@@ -231,7 +251,7 @@ class AttentionChain:
                 k += 1
             predicted.append(k * u)
         index, costs = cheapest(view, query, predicted, self.turn)
-        return index, predicted, costs
+        return Choice(index, predicted, costs)
 
     def routed(self, index: int, query: Query) -> None:
         self.turn.routed(index)
@@ -260,24 +280,58 @@ class Exact:
 
     def choose(self, view: FleetView, query: Query) -> Choice:
         geo, rid, chain, n = view.geometry, query.request_id, query.chain, query.num_tokens
-        if query.top == 0:
-            predicted = [0] * len(view.mirrors)
-        else:
-            gid = self.gid
-            head = query.keys[: self.first_page] if gid is not None else []
-            predicted = []
-            for mirror in view.mirrors:
-                if gid is not None:
-                    entries = mirror.entries(gid)
-                    if not any(key in entries for key in head):
-                        predicted.append(0)
-                        continue
-                predicted.append(compute_lookup(geo, mirror, rid, chain, n).hit)
-        index, costs = cheapest(view, query, predicted, self.turn)
-        return index, predicted, costs
+        mirrors = view.mirrors
+        predicted = [0] * len(mirrors)
+        prices = [0.0] * len(mirrors)
+        tiers = [(0,) * len(m.media) for m in mirrors] if any(m.media for m in mirrors) else None
+        gid = self.gid
+        head = query.keys[: self.first_page] if gid is not None else []
+        for r, mirror in enumerate(mirrors if query.top else ()):
+            if gid is not None and not self._holds_head(mirror, gid, head):
+                continue
+            if not mirror.media:
+                predicted[r] = compute_lookup(geo, mirror, rid, chain, n).hit
+                continue
+            res = compute_lookup(geo, mirror.tiered, rid, chain, n)
+            predicted[r] = res.hit
+            prices[r] = load_price(geo, res, mirror.media, view.tier_prices)
+            if gid is not None and tiers is not None:
+                page = geo.groups[gid].page_size
+                tiers[r] = tuple(tier_hit_tokens(res, gid, page, len(mirror.media)))
+        index, costs = cheapest(view, query, predicted, self.turn, prices if tiers else None)
+        return Choice(index, predicted, costs, tiers)
+
+    @staticmethod
+    def _holds_head(mirror: ReplicaMirror, gid: int, head: list[int]) -> bool:
+        """Whether the device or a tier holds a key of the request's first attention page."""
+        entries = mirror.entries(gid)
+        if any(key in entries for key in head):
+            return True
+        for t in range(len(mirror.media)):
+            held = mirror.tier_entries(t, gid)
+            if any(key in held for key in head):
+                return True
+        return False
 
     def routed(self, index: int, query: Query) -> None:
         self.turn.routed(index)
+
+
+def load_price(
+    geo: Geometry, res: LookupResult, media: Sequence[str], prices: Mapping[str, TierPrice]
+) -> float:
+    """The price, in prefill tokens, of the loads a hit found across tiers needs: per tier, the
+    tokens its blocks carry (an attention block its page, a state one page of its group), as
+    the simulator's cost model counts them, at the tier's `TierPrice`."""
+    tokens = [0] * len(media)
+    for g, t, _slot in tier_sources(res):
+        tokens[t] += geo.groups[g].page_size
+    total = 0.0
+    for medium, k in zip(media, tokens, strict=True):
+        if k:
+            price = prices.get(medium, UNKNOWN_TIER_PRICE)
+            total += price.per_token * k + price.per_load
+    return total
 
 
 def make_policy(

@@ -24,14 +24,17 @@ Cost (policies `attention-chain` and `exact`), lowest wins, ties to the lower lo
     cost_r = (prompt tokens − predicted cached tokens on r) + load_weight × load_tokens_r
 
 `load_weight` says how many prefill tokens one token of load is worth. At 1 it is the cost
-Dynamo's KV router minimises by default (prefill blocks plus active blocks, in tokens).
+Dynamo's KV router minimises by default (prefill blocks plus active blocks, in tokens). On a
+replica with tiers (its mirror knows their media), `exact` adds the price of the loads its hit
+needs, `tier_prices` by medium (`TierPrice`; `DEFAULT_TIER_PRICES`), and `Decision.from_tiers`
+says, per replica, how many of the predicted tokens each tier would give.
 """
 
 from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -47,7 +50,7 @@ from kvreuse.events import ReplicaMirror, attention_group
 from kvreuse.events.wire import WireEvent
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT
 from kvreuse.fleet.routing.policy import Policy, make_policy
-from kvreuse.fleet.routing.query import Query
+from kvreuse.fleet.routing.query import DEFAULT_TIER_PRICES, Query, TierPrice
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +59,8 @@ class Decision:
 
     `predicted[r]`: the cached tokens the policy predicts on replica r (capped at the request's
     `top`), or None for a policy that looks at no cache (round-robin, least-loaded). `costs[r]`:
-    the cost it minimised, when it minimised one."""
+    the cost it minimised, when it minimised one. `from_tiers[r]`: per tier of replica r, the
+    predicted tokens it would load from there (None when no replica has tiers)."""
 
     index: int
     replica: str
@@ -65,11 +69,17 @@ class Decision:
     top: int
     predicted: tuple[int, ...] | None
     costs: tuple[float, ...] | None = None
+    from_tiers: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def predicted_cached(self) -> int | None:
         """The prediction for the chosen replica."""
         return None if self.predicted is None else self.predicted[self.index]
+
+    @property
+    def predicted_tiers(self) -> tuple[int, ...] | None:
+        """The chosen replica's predicted tokens per tier (as `RequestStats.tier_tokens`)."""
+        return None if self.from_tiers is None else self.from_tiers[self.index]
 
 
 def chain_hasher(config: CacheConfig) -> Hasher:
@@ -88,10 +98,12 @@ class Router:
         policy: str | Policy = "exact",
         *,
         load_weight: float = DEFAULT_LOAD_WEIGHT,
+        tier_prices: Mapping[str, TierPrice] | None = None,
         **policy_options: Any,
     ) -> None:
-        """`policy_options`: `text_threshold`, `text_imbalance`, `text_capacity_tokens` (see
-        `kvreuse.fleet.routing.policy.TextPrefix`)."""
+        """`tier_prices`: by medium, what a load from a replica's tier costs (the module
+        docstring; default `DEFAULT_TIER_PRICES`). `policy_options`: `text_threshold`,
+        `text_imbalance`, `text_capacity_tokens` (see `kvreuse.fleet.routing.policy.TextPrefix`)."""
         if isinstance(load_weight, bool) or not (
             isinstance(load_weight, int | float) and math.isfinite(load_weight) and load_weight >= 0
         ):
@@ -100,6 +112,11 @@ class Router:
         self.geometry: Geometry = config.geometry
         self.hasher = chain_hasher(config)
         self.load_weight = float(load_weight)
+        prices = DEFAULT_TIER_PRICES if tier_prices is None else tier_prices
+        for medium, price in prices.items():
+            if not isinstance(price, TierPrice):
+                raise ValueError(f"tier_prices[{medium!r}] must be a TierPrice, got {price!r}")
+        self.tier_prices: Mapping[str, TierPrice] = dict(prices)
         self.policy = make_policy(policy, self.geometry, **policy_options)
         self.names: list[str] = []
         self.mirrors: list[ReplicaMirror] = []
@@ -107,13 +124,16 @@ class Router:
         self.num_requests: list[int] = []
 
     # ------------------------------------------------------------------ replicas
-    def add_replica(self, name: str, mirror: ReplicaMirror | None = None) -> ReplicaMirror:
+    def add_replica(
+        self, name: str, mirror: ReplicaMirror | None = None, *, tiers: Sequence[str] = ()
+    ) -> ReplicaMirror:
         """Follow a replica; `mirror` is one a `Subscriber` keeps current (default: a new one,
-        fed through `apply`). Returns the mirror."""
+        fed through `apply`, knowing the media `tiers` of the replica's tiers in order).
+        Returns the mirror."""
         if name in self.names:
             raise ValueError(f"replica {name!r} is already routed to")
         if mirror is None:
-            mirror = ReplicaMirror(self.geometry, _default_group(self.geometry))
+            mirror = ReplicaMirror(self.geometry, _default_group(self.geometry), tiers=tiers)
         elif mirror.geometry != self.geometry:
             raise ValueError(f"replica {name!r}: its mirror has another geometry than the router")
         self.names.append(name)
@@ -190,7 +210,8 @@ class Router:
         """Pick a replica for `query` with the policy, from the mirrors and loads as they are."""
         if not self.names:
             raise ValueError("no replica to route to: add_replica first")
-        index, predicted, costs = self.policy.choose(self, query)
+        choice = self.policy.choose(self, query)
+        index = choice.index
         self.policy.routed(index, query)
         return Decision(
             index=index,
@@ -198,8 +219,9 @@ class Router:
             policy=self.policy.name,
             num_tokens=query.num_tokens,
             top=query.top,
-            predicted=None if predicted is None else tuple(predicted),
-            costs=None if costs is None else tuple(costs),
+            predicted=None if choice.predicted is None else tuple(choice.predicted),
+            costs=None if choice.costs is None else tuple(choice.costs),
+            from_tiers=None if choice.from_tiers is None else tuple(choice.from_tiers),
         )
 
 

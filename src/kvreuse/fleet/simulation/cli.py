@@ -71,6 +71,12 @@ def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
         "30M, inf: one that never evicts)",
     )
     g.add_argument(
+        "--device-only-routing",
+        action="store_true",
+        help="with --host-capacity / --store-capacity: the router hears only the replicas' "
+        "device events (as a router that reads no medium field), not their tiers'",
+    )
+    g.add_argument(
         "--load-weight",
         type=number(0, 1e9),
         default=DEFAULT_LOAD_WEIGHT,
@@ -191,6 +197,7 @@ def _run(
         cost=cost,
         draft_accept_rate=args.draft_accept_rate,
         router_options=(("text_threshold", args.text_match_threshold),),
+        score_tiers=not getattr(args, "device_only_routing", False),
     )
     start = time.perf_counter()
     with rows_path.open("w", encoding="utf-8") as rows:
@@ -223,6 +230,8 @@ def _write_reports(
             if args.shared_tier_capacity
             else ""
         )
+        + "".join(f", {s.name} {s.num_blocks:,} blocks per replica ({s.medium})" for s in dep.tiers)
+        + (" (router: device events only)" if dep.tiers and args.device_only_routing else "")
         + f", load weight {args.load_weight:g}"
     )
     table = comparison_table(summaries) if summaries else "(no run finished)"

@@ -10,6 +10,12 @@ the fleet only when it ends (`start + step time`): its KV events reach the route
 finished requests release their dependents, and its units reach the shared tier. At equal times
 step ends come before arrivals, so a request sees every step that ended by then.
 
+A replica whose deployment has tiers below its pool (`--host-capacity`, `--store-capacity`) has
+them in its own manager: its steps pay their loads in the cost model, its KV events carry the
+tiers' keys in vLLM's `medium` field, and the router's mirror tracks each tier and prices a hit
+loaded from one (`TierPrice`, from the same cost model). With `score_tiers` off the router hears
+only device events, as one that reads no `medium` would.
+
 A replica's load follows the router's rule (`kvreuse.fleet.routing.router`): here every step is
 seen, so it is the prompts of the requests routed to the replica and not yet admitted or waiting,
 plus prompt and output so far of its running ones, as of its last step.
@@ -29,12 +35,14 @@ from kvreuse.deployment import Deployment
 from kvreuse.events import Converter
 from kvreuse.events.wire import BlockRemoved, BlockStored, WireEvent
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT
+from kvreuse.fleet.routing.query import TierPrice
 from kvreuse.fleet.routing.router import Router
 from kvreuse.fleet.simulation.feed import FleetFeeder
 from kvreuse.fleet.simulation.summary import (
     FleetTally,
     Track,
     balance,
+    fleet_tiers,
     prediction,
     reconcile,
     too_large,
@@ -60,6 +68,7 @@ class FleetOptions:
     cost: CostModel = field(default_factory=CostModel)
     draft_accept_rate: float = 0.7
     router_options: tuple[tuple[str, Any], ...] = ()  # text_threshold, text_imbalance, …
+    score_tiers: bool = True  # the router hears the tiers' events and prices their loads
 
     def __post_init__(self) -> None:
         if type(self.replicas) is not int or not 1 <= self.replicas <= 1024:
@@ -75,12 +84,14 @@ class _Queued:
 class _Replica:
     """One simulated replica and the effects of its step in flight."""
 
-    def __init__(self, index: int, dep: Deployment, cost: CostModel, accept_rate: float) -> None:
+    def __init__(
+        self, index: int, dep: Deployment, cost: CostModel, accept_rate: float, tiers: bool
+    ) -> None:
         self.index = index
-        self.mgr = KVCacheManager(replace(dep.cache, enable_events=True))
-        self.meter = CostMeter(FakeEngine(accept_rate=accept_rate), cost)
+        self.mgr = KVCacheManager(replace(dep.cache, enable_events=True), tiers=dep.tiers)
+        self.meter = CostMeter(FakeEngine(accept_rate=accept_rate), cost, self.mgr)
         self.sched = Scheduler(self.mgr, self.meter, dep.sched)
-        self.converter = Converter(self.mgr.geo)
+        self.converter = Converter(self.mgr.geo, tiers=tiers)
         self.queue: deque[_Queued] = deque()  # routed, not yet handed to the scheduler
         self.queue_tokens = 0
         self.busy = False
@@ -124,18 +135,26 @@ class _FleetRun:
         sink: Callable[[Row], None],
     ) -> None:
         self.dep, self.workload, self.options = dep, workload, options
+        cost, scored = options.cost, options.score_tiers and bool(dep.tiers)
+        prices = {
+            s.medium: TierPrice.of_rates(cost.prefill_tokens_per_s, *cost.tier_rate(s))
+            for s in dep.tiers
+        }
         self.router = Router(
             dep.cache,
             options.policy,
             load_weight=options.load_weight,
+            tier_prices=prices,
             **dict(options.router_options),
         )
         self.replicas = [
-            _Replica(i, dep, options.cost, options.draft_accept_rate)
+            _Replica(i, dep, cost, options.draft_accept_rate, scored)
             for i in range(options.replicas)
         ]
+        media = [s.medium for s in dep.tiers] if scored else []
         for rep in self.replicas:
-            self.router.add_replica(f"r{rep.index}")
+            self.router.add_replica(f"r{rep.index}", tiers=media)
+        self.scored = scored
         chains = BlockChains(self.router.hasher, workload)
         self.feeder = FleetFeeder(workload, dep.max_model_len, chains)
         cap = options.shared_tier_tokens
@@ -199,6 +218,7 @@ class _FleetRun:
                 replica=r,
                 since=since,
                 predicted=decision.predicted_cached,
+                predicted_tiers=decision.predicted_tiers,
                 removed_at_route=rep.num_removed,
                 keys=None if tier is None else query.keys,
                 top=query.top,
@@ -269,7 +289,9 @@ class _FleetRun:
         # the hit rate's denominator: the prompts of admitted requests, as a replica's counter
         prompt, cached = sum(tally.admitted_prompt), sum(tally.cached)
         managers = [rep.mgr for rep in reps]
-        checks = reconcile(tally, managers, self.router.mirrors, len(self.workload))
+        checks = reconcile(
+            tally, managers, self.router.mirrors, len(self.workload), tiers=self.scored
+        )
         tier = None
         if self.tier is not None:
             extra = sum(tally.tier_tokens)
@@ -307,6 +329,7 @@ class _FleetRun:
             "cached_tokens": cached,
             "hit_rate": cached / prompt if prompt else 0.0,
             "shared_tier": tier,
+            "tiers": fleet_tiers(self.dep.tiers, [rep.meter for rep in reps], tally),
             "balance": balance(tally.prompt_tokens),
             "prediction": prediction(tally),
             "per_replica": per_replica,

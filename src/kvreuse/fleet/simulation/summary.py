@@ -13,10 +13,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvreuse.core import KVCacheManager
+from kvreuse.core import KVCacheManager, TierSpec
 from kvreuse.events import ReplicaMirror, hash64
 from kvreuse.sched import Seq
 from kvreuse.sim.args import percent, plural
+from kvreuse.sim.cost import CostMeter
 
 NAMED_TOO_LARGE = 10
 
@@ -36,6 +37,7 @@ class Track:
     first_token_at: float | None = None
     tier_tokens: int = 0
     evicted: bool | None = None  # did the replica remove entries between routing and admission
+    predicted_tiers: tuple[int, ...] | None = None  # of the prediction, per tier below the pool
 
 
 class FleetTally:
@@ -56,6 +58,11 @@ class FleetTally:
         self.num_timed = 0
         self.too_large: list[str] = []
         self.num_too_large = 0
+        # per tier below the pools: tokens predicted and delivered from it, and the requests
+        # whose per-tier split differed with nothing removed between routing and admission
+        self.tier_predicted: list[int] = []
+        self.tier_delivered: list[int] = []
+        self.tier_clean_mismatch = 0
 
     def finish(self, seq: Seq, track: Track, t: float) -> None:
         r = track.replica
@@ -71,6 +78,8 @@ class FleetTally:
             self.tier_tokens[r] += track.tier_tokens
             if track.predicted is not None:
                 self._predicted(track.predicted, cached, bool(track.evicted))
+            if track.predicted_tiers is not None and seq.stats is not None:
+                self._predicted_tiers(track, seq.stats.tier_tokens)
         queue_s = ttft_s = None
         if rejected:
             self.num_too_large += 1
@@ -83,6 +92,8 @@ class FleetTally:
             self.num_timed += 1
             self.queue_sum += queue_s
             self.ttft_sum += ttft_s
+        pt = track.predicted_tiers
+        delivered = seq.stats.tier_tokens if seq.stats else ()
         row = {
             "id": seq.request_id,
             "replica": f"r{r}",
@@ -90,6 +101,8 @@ class FleetTally:
             "cached_tokens": cached,
             "predicted_tokens": track.predicted,
             "tier_tokens": track.tier_tokens,
+            "predicted_tiers": None if pt is None else list(pt),
+            "delivered_tiers": None if pt is None else list(delivered or (0,) * len(pt)),
             "evicted_before_admission": track.evicted,
             "reason": seq.stats.reason if seq.stats else "not_admitted",
             "output_tokens": len(seq.output),
@@ -103,6 +116,18 @@ class FleetTally:
             self.sink(self.waiting.pop(self.next_row))
             self.next_row += 1
         self.num_rows += 1
+
+    def _predicted_tiers(self, track: Track, delivered: tuple[int, ...]) -> None:
+        predicted = track.predicted_tiers or ()
+        if not self.tier_predicted:
+            self.tier_predicted = [0] * len(predicted)
+            self.tier_delivered = [0] * len(predicted)
+        got = delivered or (0,) * len(predicted)  # a request that loaded nothing
+        for t, (p, d) in enumerate(zip(predicted, got, strict=True)):
+            self.tier_predicted[t] += p
+            self.tier_delivered[t] += d
+        if not track.evicted and tuple(got) != tuple(predicted):
+            self.tier_clean_mismatch += 1
 
     def _predicted(self, predicted: int, delivered: int, evicted: bool) -> None:
         self.num_predicted += 1
@@ -130,6 +155,45 @@ def balance(routed: Sequence[int]) -> dict[str, Any]:
     }
 
 
+def fleet_tiers(
+    specs: Sequence[TierSpec], meters: Sequence[CostMeter], tally: FleetTally
+) -> dict[str, Any] | None:
+    """Per tier below the replicas' pools, summed over the fleet: the hit tokens it gave back,
+    the blocks it loaded and the simulated seconds of those loads; with the router's prediction
+    of those tokens beside what was delivered (None: no tiers)."""
+    if not specs:
+        return None
+    out: dict[str, Any] = {}
+    for t, spec in enumerate(specs):
+        rows = [m.summary()["tiers"][spec.name] for m in meters]
+        out[spec.name] = {
+            "medium": spec.medium,
+            "capacity_blocks_per_replica": spec.num_blocks,
+            "hit_tokens": sum(r["hit_tokens"] for r in rows),
+            "loaded_blocks": sum(r["loaded_blocks"] for r in rows),
+            "load_seconds": round(sum(r["load_seconds"] for r in rows), 6),
+            "predicted_hit_tokens": tally.tier_predicted[t] if tally.tier_predicted else None,
+            "delivered_hit_tokens": tally.tier_delivered[t] if tally.tier_delivered else None,
+        }
+    if tally.tier_predicted:
+        out["split_mismatched_without_eviction"] = tally.tier_clean_mismatch
+    return out
+
+
+def _tiers_match(mgr: KVCacheManager, mirror: ReplicaMirror) -> bool:
+    """The router's mirror holds exactly the keys each of the replica's tiers holds."""
+    held: dict[tuple[int, int], set[int]] = {}
+    for t, gid, _b, key, _slot in mgr.tiers.export_entries():
+        held.setdefault((t, gid), set()).add(hash64(key))
+    if len(mirror.media) != len(mgr.tiers.tiers):
+        return False
+    return all(
+        set(mirror.tier_entries(t, g.group_id)) == held.get((t, g.group_id), set())
+        for t in range(len(mirror.media))
+        for g in mgr.geo.groups
+    )
+
+
 def _mirror_matches(mgr: KVCacheManager, mirror: ReplicaMirror) -> bool:
     """The router's mirror holds exactly the replica's resident entries (wire keys)."""
     resident: dict[int, dict[int, int]] = {g.group_id: {} for g in mgr.geo.groups}
@@ -143,9 +207,12 @@ def reconcile(
     managers: Sequence[KVCacheManager],
     mirrors: Sequence[ReplicaMirror],
     total: int,
+    *,
+    tiers: bool = False,
 ) -> dict[str, bool]:
     """Per replica: Σ cached == Δ hits and Σ admitted prompts == Δ queries (exact), the core's
-    audit, and the mirror equal to the replica's entries; every request finished."""
+    audit, and the mirror equal to the replica's entries (and, with `tiers`, to each tier's
+    keys); every request finished."""
     checks = {"every_request_finished": tally.num_rows == total}
     for r, mgr in enumerate(managers):
         c = mgr.counters
@@ -160,6 +227,8 @@ def reconcile(
         except AssertionError:
             checks[f"r{r}_invariants"] = False
         checks[f"r{r}_mirror_equals_replica"] = _mirror_matches(mgr, mirrors[r])
+        if tiers:
+            checks[f"r{r}_mirror_tiers_equal_replica"] = _tiers_match(mgr, mirrors[r])
     return checks
 
 
@@ -193,7 +262,9 @@ def _pct(value: float | None) -> str:
 def comparison_table(summaries: Sequence[dict[str, Any]]) -> str:
     """One row per policy: reuse, balance, prediction error, the TTFT estimate."""
     tier = any(s["shared_tier"] for s in summaries)
+    below = any(s.get("tiers") for s in summaries)
     head = f"{'policy':<16} {'hit rate':>8} " + (f"{'+ tier':>8} " if tier else "")
+    head += f"{'from tiers':>10} {'load (s)':>9} " if below else ""
     head += (
         f"{'cached tokens':>14} {'max/mean':>8} {'CV':>6} {'pred. MAE':>10} {'over-pred.':>10} "
         f"{'TTFT (s)':>9}"
@@ -205,6 +276,12 @@ def comparison_table(summaries: Sequence[dict[str, Any]]) -> str:
         if tier:
             t = s["shared_tier"]
             line += f"{_pct(t['hit_rate_with_tier'] if t else None):>8} "
+        if below:
+            rows = [v for v in (s.get("tiers") or {}).values() if isinstance(v, dict)]
+            got = sum(v["hit_tokens"] for v in rows)
+            share = got / s["admitted_prompt_tokens"] if s["admitted_prompt_tokens"] else None
+            load = sum(v["load_seconds"] for v in rows)
+            line += f"{_pct(share):>10} {load:>9,.1f} "
         mae = "—" if p is None else f"{p['mean_abs_error_tokens']:,.1f}"
         over = "—" if p is None else f"{p['over_predicted']:,}"
         ttft = "—" if s["ttft_mean_s"] is None else f"{s['ttft_mean_s']:.3f}"
