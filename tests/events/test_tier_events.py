@@ -92,3 +92,26 @@ def test_tier_events_decode_as_plain_msgpack_maps() -> None:
     tier_maps = [e for b in raw for e in b[1] if e.get("medium") not in (None, "GPU")]
     assert {e["type"] for e in tier_maps} == {"BlockStored", "BlockRemoved"}
     assert all(isinstance(e["group_idx"], int) for e in tier_maps)
+
+
+def test_a_block_moved_down_the_tiers_keeps_its_boundary() -> None:
+    """A key that leaves the host for the store after the removal memo has forgotten it still
+    knows where it ends, so a child stored once it is loaded back gets its boundary too."""
+    from kvreuse.events.mirror import ReplicaMirror
+
+    geo = GEOMETRIES["attention"].geometry
+    u = geo.hash_unit
+    mirror = ReplicaMirror(geo, removed_memo=1, tiers=["CPU", "STORE"])
+
+    def stored(hashes: list[int], parent: int | None, medium: str = "GPU") -> BlockStored:
+        tokens = [1] * (u * len(hashes)) if medium == "GPU" else []
+        return BlockStored(hashes, parent, tokens, u, None, medium, None, group_idx=0)
+
+    mirror.apply([stored([11], None), BlockRemoved([11], "GPU", group_idx=0)])
+    mirror.apply([stored([11], None, "CPU")])
+    # another block comes and goes: the memo (one entry) forgets 11
+    mirror.apply([stored([21], None), BlockRemoved([21], "GPU", group_idx=0)])
+    mirror.apply([BlockRemoved([11], "CPU", group_idx=0), stored([11], None, "STORE")])
+    assert mirror.tier_entries(1, 0) == {11: u}
+    mirror.apply([stored([11], None), stored([12], 11)])  # 11 loaded back, then a child
+    assert mirror.entries(0) == {11: u, 12: 2 * u}

@@ -176,9 +176,7 @@ class ReplicaMirror:
                 if _on_device(ev.medium):
                     self._removed_from(gid, ev.block_hashes)
                 else:
-                    entries = self._tiers[self._tier(str(ev.medium))][gid].entries
-                    for h in ev.block_hashes:
-                        entries.pop(h, None)
+                    self._tier_removed(self._tier(str(ev.medium)), gid, ev.block_hashes)
             elif isinstance(ev, AllBlocksCleared):
                 self.clear()
 
@@ -191,6 +189,20 @@ class ReplicaMirror:
         entries = self._tiers[self._tier(str(ev.medium))][gid].entries
         for h in ev.block_hashes:
             entries[h] = max(0, self.boundary(h))
+
+    def _tier_removed(self, tier: int, gid: int, keys: list[int]) -> None:
+        """A tier's keys leave it, often to land in the next tier in the same batch: their
+        boundaries go to the removal memo, so the next tier (and a child stored after the
+        block comes back) still knows them."""
+        entries = self._tiers[tier][gid].entries
+        removed, capacity = self._removed, self._removed_capacity
+        for h in keys:
+            at = entries.pop(h, 0)
+            if at > 0:
+                removed[h] = at
+                removed.move_to_end(h)
+                if len(removed) > capacity:
+                    removed.popitem(last=False)
 
     def _group(self, group_idx: int | None) -> int | None:
         gid = self.default_group if group_idx is None else group_idx
