@@ -70,7 +70,7 @@ from kvreuse.core.plan import Copy, RecurrentSlot, RequestPlan, Save, StepPlan
 from kvreuse.core.policy import EvictionPolicy, LRUPolicy, PoolView
 from kvreuse.core.request import Deferral, MultiModalItem, Request, SavePurpose
 from kvreuse.core.savepoints import finish_point, replay_point
-from kvreuse.core.tier_lookup import LayeredIndex, source_of, tier_hit_tokens, tier_sources
+from kvreuse.core.tier_lookup import LayeredIndex, tier_hit_tokens, tier_sources
 from kvreuse.core.tiers import DEVICE_MEDIUM, Admission, Demote, Load, Move, TierOp, TierSpec
 
 __all__ = [
@@ -130,7 +130,6 @@ __all__ = [
     "finish_point",
     "register_kind",
     "replay_point",
-    "source_of",
     "tier_hit_tokens",
     "tier_sources",
     "unregister_kind",

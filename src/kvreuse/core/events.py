@@ -144,14 +144,18 @@ class EventLog:
     def tier_stored(
         self, tier: int, medium: str, group_id: int, keys: list[tuple[int, bytes]]
     ) -> None:
-        self.seq += 1
-        self._push(("TS", self.seq, tier, medium, group_id, tuple(keys)))
+        self._tier("TS", tier, medium, group_id, keys)
 
     def tier_removed(
         self, tier: int, medium: str, group_id: int, keys: list[tuple[int, bytes]]
     ) -> None:
+        self._tier("TR", tier, medium, group_id, keys)
+
+    def _tier(
+        self, tag: str, tier: int, medium: str, group_id: int, keys: list[tuple[int, bytes]]
+    ) -> None:
         self.seq += 1
-        self._push(("TR", self.seq, tier, medium, group_id, tuple(keys)))
+        self._push((tag, self.seq, tier, medium, group_id, tuple(keys)))
 
     def take(self, geo: Geometry) -> list[Event]:
         out = [_build(geo, r) for r in self.pending]

@@ -195,14 +195,10 @@ class ReplicaMirror:
         boundaries go to the removal memo, so the next tier (and a child stored after the
         block comes back) still knows them."""
         entries = self._tiers[tier][gid].entries
-        removed, capacity = self._removed, self._removed_capacity
         for h in keys:
             at = entries.pop(h, 0)
             if at > 0:
-                removed[h] = at
-                removed.move_to_end(h)
-                if len(removed) > capacity:
-                    removed.popitem(last=False)
+                self._remember(h, at)
 
     def _group(self, group_idx: int | None) -> int | None:
         gid = self.default_group if group_idx is None else group_idx
@@ -253,11 +249,19 @@ class ReplicaMirror:
             ghost.move_to_end(h)
             if len(ghost) > ghost_capacity:
                 ghost.popitem(last=False)
-            if at >= 0:
+            if at >= 0:  # `_remember`, inline: every device removal passes here
                 removed[h] = at
                 removed.move_to_end(h)
                 if len(removed) > capacity:
                     removed.popitem(last=False)
+
+    def _remember(self, key: int, boundary: int) -> None:
+        """The boundary of a key that left, for a child or a tier that names it later."""
+        removed = self._removed
+        removed[key] = boundary
+        removed.move_to_end(key)
+        if len(removed) > self._removed_capacity:
+            removed.popitem(last=False)
 
 
 def _on_device(medium: str | None) -> bool:

@@ -164,8 +164,9 @@ def fleet_tiers(
     if not specs:
         return None
     out: dict[str, Any] = {}
+    per_meter = [m.summary()["tiers"] for m in meters]
     for t, spec in enumerate(specs):
-        rows = [m.summary()["tiers"][spec.name] for m in meters]
+        rows = [tiers[spec.name] for tiers in per_meter]
         out[spec.name] = {
             "medium": spec.medium,
             "capacity_blocks_per_replica": spec.num_blocks,
