@@ -212,6 +212,24 @@ class TierDriver(Driver):
             b in self.loaded for row in plan.tables.values() for b in row
         )
 
+    def _covers(self, blk: int, entry: Any) -> bool:
+        """Block `blk` holds the bytes of `entry`: written for it, or, on an attention page,
+        for a later boundary of the same page and the same prefix (the page's bytes before
+        that boundary are this prefix's)."""
+        have = self.bytes[blk]
+        if entry in have:
+            return True
+        gid, b, (tokens, units) = entry
+        g, u, look = self.geo.groups[gid], self.geo.hash_unit, self.geo.lookahead
+        if not g.is_attention:
+            return False
+        page = (b - 1) // g.page_size
+        return any(
+            g2 == gid and b2 > b and (b2 - 1) // g.page_size == page
+            and (t2[: b + look], x2[: b // u]) == (tokens, units)
+            for g2, b2, (t2, x2) in have
+        )  # fmt: skip
+
     def _note_publications(self) -> None:
         """Entries published since the last check: a computed block now holds them; a loaded
         block must have been given them by its load."""
@@ -219,7 +237,7 @@ class TierDriver(Driver):
         for gid, b, key, blk in now - self.seen_entries:
             entry = self._entry(gid, b, key)
             if blk in self.loaded:
-                assert entry in self.bytes[blk], f"block {blk} keyed {b} without its bytes"
+                assert self._covers(blk, entry), f"block {blk} keyed {b} without its bytes"
             else:
                 self.bytes[blk].add(entry)
         self.seen_entries = now

@@ -115,3 +115,42 @@ def test_a_block_moved_down_the_tiers_keeps_its_boundary() -> None:
     assert mirror.tier_entries(1, 0) == {11: u}
     mirror.apply([stored([11], None), stored([12], 11)])  # 11 loaded back, then a child
     assert mirror.entries(0) == {11: u, 12: 2 * u}
+
+
+def test_a_slot_whose_page_lost_its_lower_keys_comes_back_with_them() -> None:
+    """b copies a's partial page 0 and keys only its upper boundaries (a's block holds the
+    lower ones); both go down to a one-slot host, a's is dropped, and c loads b's. The loaded
+    block carries the page's lower keys too, so its event names no parent that is gone: the
+    mirror keeps every boundary however little its removal memo remembers."""
+    from kvreuse import CacheConfig, GroupSpec, KVCacheManager
+    from kvreuse.events import Converter, ReplicaMirror
+    from kvreuse.events.wire import EventBatch, encode_batch
+
+    cfg = CacheConfig(
+        num_blocks=4, groups=[GroupSpec(kind="full", block_size=4)], hash_unit=1,
+        enable_events=True,
+    )  # fmt: skip
+    mgr = KVCacheManager(cfg, tiers=[TierSpec("host", num_blocks=1, medium="CPU")])
+    converter = Converter(mgr.geo)
+    mirror = ReplicaMirror(mgr.geo, removed_memo=1, tiers=["CPU"])
+
+    def run(rid: str, tokens: list[int]) -> tuple[int, int]:
+        mgr.add_request(Request(rid, tokens))
+        hit = mgr.lookup(rid)
+        mgr.allocate(rid, len(tokens) - hit.hit, lookup=hit)
+        step = mgr.seal_step()
+        mgr.commit(step.step_id, {rid: (len(tokens), [0])})
+        mgr.finish(rid)
+        batch = converter.convert(mgr.take_events())
+        mirror.apply(decode_batch(encode_batch(EventBatch(0.0, batch))).events)
+        return hit.hit, len(hit.loads)
+
+    run("a", [1, 2, 9, 9, 9])
+    assert run("b", [1, 2, 3, 4, 5]) == (2, 0)  # a partial page: copied, then keyed at 3, 4
+    run("x", [7] * 13)  # every block evicted; the host keeps the last one demoted
+    run("y", [8] * 9)
+    assert run("c", [1, 2, 3, 4, 5]) == (4, 1)  # page 0 loaded back from b's slot
+    device = {hash64(k): b for _, b, k, _, _ in mgr.export_entries()}
+    assert mirror.entries(0) == device
+    assert mirror.unknown_parents == 0
+    mgr.check_invariants()

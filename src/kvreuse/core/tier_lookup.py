@@ -129,6 +129,26 @@ def device_hits(blocks: Sequence[int]) -> list[int]:
 Loaded = list[tuple[int, int, list[tuple[int, bytes]]]]  # (group id, block id, keys)
 
 
+def page_keys_below(
+    own: list[tuple[int, bytes]], chain: Sequence[bytes], unit: int, page: int
+) -> list[tuple[int, bytes]]:
+    """The request's keys of an attention page below the lowest of `own` (the keys a loaded
+    slot carried), from the page's start:
+
+        page j:  |--u--|--u--|--u--|--u--|      own: the keys at 3u and 4u (the slot's block
+                 jP   +u    +2u   +3u   +4u     was a copy whose lower keys another block held)
+                        ^^^^^^^^^^              returned: the keys at jP+u and jP+2u
+
+    A block keyed at b holds the bytes of every token of its page before b, so each lower
+    boundary of the page names a prefix of the same bytes. Published with the rest (a key
+    another block holds is skipped), they give the page's first new key a parent the replica
+    holds, so the event's reader can place it; without them a slot that outlived the block
+    that held its page's lower keys would publish a key whose parent is held nowhere."""
+    low = own[0][0]
+    start = (low - 1) // page * page
+    return [(b, chain[b // unit]) for b in range(start + unit, low, unit)]
+
+
 def load_hit(pool: BlockPool, tiers: TierStack, res: LookupResult) -> tuple[LookupResult, Loaded]:
     """Pop a fresh device block for every tier block of `res` and record its `Load` (the
     module docstring); the caller has adopted the hit's device blocks and checked that the
@@ -170,6 +190,9 @@ class TierLoads:
         self._of: dict[int, tuple[PlanRecord, Loaded]] = {}  # id(record): record, its loads
         self._pending: Loaded = []
         full = [g for g in pool.geo.groups if g.stage is Stage.FULL and g.cacheable]
+        # per group, its page size where a block's lower boundaries are prefixes of its bytes
+        # (attention pages), else 0 (a state is valid at its own boundary only)
+        self._pages = [g.page_size if g.is_attention else 0 for g in pool.geo.groups]
         self._full = (full[0].group_id, full[0].page_size) if full else None
 
     def __bool__(self) -> bool:
@@ -203,6 +226,8 @@ class TierLoads:
                 # only the request's own keys: a slot of a page copied from may also carry
                 # keys of the prefix it diverged from, whose events this request cannot name
                 own = [(b, k) for b, k in keys if b // u < len(chain) and chain[b // u] == k]
+                if own and self._pages[gid]:
+                    own = page_keys_below(own, chain, u, self._pages[gid]) + own
                 if own:
                     bounds, hashes = [b for b, _ in own], [k for _, k in own]
                     self.pool.publish(gid, bounds, hashes, [blk] * len(own), rec.req)
