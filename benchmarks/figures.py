@@ -292,6 +292,16 @@ def _tiers_conversation(saved: str | None = None) -> tuple[str, dict[str, Any]]:
     return command, json_lines(_saved(saved, command), ("case",))
 
 
+def _tiers_fleet(saved: str | None = None) -> tuple[str, dict[str, Any]]:
+    """docs/tiers.md's fleet table: 4 replicas of hybrid-dcp4 with a host tier each, the exact
+    router scoring tiers or devices only."""
+    command = (
+        "benchmarks/tiers_trace.py conversation.jsonl --geometry hybrid-dcp4 --replicas 4 "
+        "--device 1M --host 8M"
+    )
+    return command, json_lines(_saved(saved, command), ("case",))
+
+
 LOAD_WEIGHTS = (0.0, 0.02, 0.1, 1.0)
 
 
@@ -386,6 +396,7 @@ RECIPES: dict[str, Callable[..., tuple[str, dict[str, Any]]]] = {
     "fleet_bench": _fleet_bench,
     "fleet_mooncake": _fleet_mooncake,
     "tiers_conversation": _tiers_conversation,
+    "tiers_fleet": _tiers_fleet,
     "engine": _engine,
     "sim_memory": _sim_memory,
     "qualify": _qualify,

@@ -3,6 +3,8 @@
 
     .venv/bin/python benchmarks/tiers_trace.py WORKLOAD.jsonl [--geometry hybrid-dcp4]
         [--device 3M] [--host 30M] [--store 20M] [--host-with-store 10M]
+    .venv/bin/python benchmarks/tiers_trace.py WORKLOAD.jsonl --replicas 4 [--device 1M]
+        [--host 8M]
 
 WORKLOAD.jsonl is a trace already imported (`kvreuse workload import mooncake TRACE.jsonl >
 WORKLOAD.jsonl`). Four runs of `kvreuse simulate`, each a child process as a user runs it:
@@ -15,6 +17,12 @@ WORKLOAD.jsonl`). Four runs of `kvreuse simulate`, each a child process as a use
 One JSON object per line per run (`metric` "hit_rate", `value`, `params`: the capacities, the
 hit tokens each tier gave, the simulated seconds spent loading from each, the mean and median
 TTFT estimate, evictions, and the child's wall seconds); progress on stderr.
+
+With `--replicas N`, two fleet simulations of N replicas behind the `exact` router, each
+replica with the --device pool and a --host tier:
+
+    tier-aware    the router scores each replica's device and host (a host hit priced by its load)
+    device-only   the router scores devices only (`--device-only-routing`), the tiers still there
 """
 
 from __future__ import annotations
@@ -86,6 +94,42 @@ def run_case(workload: Path, geometry: str, name: str, pool: int, tiers: dict[st
     )
 
 
+def run_fleet_case(
+    workload: Path, geometry: str, name: str, replicas: int, pool: int, host: int
+) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out"
+        cmd = [*KVREUSE, "simulate", "--geometry", geometry, "--capacity-tokens", str(pool)]
+        cmd += ["--host-capacity", str(host), "--replicas", str(replicas), "--policy", "exact"]
+        cmd += [str(workload), "--out", str(out), "--no-plots", "--quiet"]
+        if name == "device-only":
+            cmd.append("--device-only-routing")
+        print(f"tiers_trace: {name}: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
+        start = time.monotonic()
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        wall = time.monotonic() - start
+        if done.returncode != 0:
+            raise SystemExit(f"tiers_trace: {name} failed: {done.stderr.strip()[-2000:]}")
+        run = json.loads((out / "fleet.json").read_text())["runs"][0]
+    host_tier = run["tiers"]["host"]
+    params: dict[str, Any] = {
+        "case": name,
+        "geometry": geometry,
+        "replicas": replicas,
+        "device_tokens": pool,
+        "host_tokens": host,
+        "ttft_mean_s": run["ttft_mean_s"],
+        "host_hit_tokens": host_tier["hit_tokens"],
+        "host_load_seconds": host_tier["load_seconds"],
+        "predicted_host_tokens": host_tier["predicted_hit_tokens"],
+        "over_predicted": run["prediction"]["over_predicted"],
+        "reconciled": run["reconciled"],
+        "wall_s": round(wall, 1),
+    }
+    line = {"metric": "hit_rate", "value": run["hit_rate"], "unit": "", "params": params}
+    print(json.dumps(line), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("workload", type=Path, help="an imported trace (kvreuse workload import)")
@@ -94,11 +138,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", type=parse_size, default=parse_size("30M"))
     ap.add_argument("--host-with-store", type=parse_size, default=parse_size("10M"))
     ap.add_argument("--store", type=parse_size, default=parse_size("20M"))
+    ap.add_argument("--replicas", type=int, default=None, help="a fleet of N replicas instead")
     args = ap.parse_args(argv)
     if not args.workload.is_file():
         print(f"tiers_trace: no such workload file: {args.workload}", file=sys.stderr)
         return 2
     d = args.device
+    if args.replicas is not None:
+        if args.replicas < 1:
+            print(f"tiers_trace: --replicas must be ≥ 1 (got {args.replicas})", file=sys.stderr)
+            return 2
+        for name in ("tier-aware", "device-only"):
+            run_fleet_case(args.workload, args.geometry, name, args.replicas, d, args.host)
+        return 0
     run_case(args.workload, args.geometry, "device", d, {})
     run_case(args.workload, args.geometry, "+host", d, {"host": args.host})
     both = {"host": args.host_with_store, "store": args.store}

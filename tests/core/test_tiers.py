@@ -30,10 +30,19 @@ from hypothesis import strategies as st
 
 from harness import Driver, Engine, Known
 from kvreuse import CacheConfig, GroupSpec, KVCacheManager, LookupResult, StepPlan
-from kvreuse.core import Admission, ConfigError, Demote, Load, Move, TierSpec, compute_lookup
+from kvreuse.core import (
+    Admission,
+    ConfigError,
+    Demote,
+    Load,
+    Move,
+    SharedTier,
+    TierSpec,
+    compute_lookup,
+)
 from kvreuse.core.events import AllBlocksCleared, BlockRemoved, BlockStored, TierRemoved, TierStored
 from kvreuse.core.tier_lookup import source_of, tier_sources
-from kvreuse.events import Converter, ReplicaMirror
+from kvreuse.events import Converter, ReplicaMirror, StoreMirror
 from kvreuse.events.mirror import HashChain
 from kvreuse.events.wire import EventBatch, decode_batch, encode_batch, hash64
 from kvreuse.oracle import expected_slots, ident, oracle
@@ -44,11 +53,22 @@ class TierDriver(Driver):
     """The harness's driver on a manager with tiers, checked against the oracle over the pool
     and the tiers together, with a model of where each entry's bytes are."""
 
-    def __init__(self, cfg: CacheConfig, rng: random.Random, tiers: list[TierSpec]) -> None:
+    def __init__(
+        self,
+        cfg: CacheConfig,
+        rng: random.Random,
+        tiers: list[TierSpec | SharedTier],
+        store: StoreMirror | None = None,
+        slot_bytes: defaultdict[tuple[Any, int, int], set[Any]] | None = None,
+    ) -> None:
+        """`store`: the mirror of a shared tier among `tiers`, which other drivers share, as
+        they share `slot_bytes` (a shared tier's slots are everyone's)."""
         super().__init__(cfg, rng)
         self.mgr = KVCacheManager(cfg, tiers=tiers)
         self.bytes: defaultdict[int, set[Any]] = defaultdict(set)  # device block: entries
-        self.slot_bytes: defaultdict[tuple[int, int], set[Any]] = defaultdict(set)
+        # (owner, tier, slot): entries; the owner is "shared" for a shared tier's slots
+        self.slot_bytes = defaultdict(set) if slot_bytes is None else slot_bytes
+        self.store = store
         self.loaded: set[int] = set()  # blocks whose bytes came from a tier
         self.seen_trace = 0
         self.seen_entries: set[tuple[int, int, bytes, int]] = set()
@@ -56,7 +76,8 @@ class TierDriver(Driver):
         self.num_demotes = 0
         self.num_loaded_admissions = 0
         self.converter = Converter(self.geo)
-        self.mirror = ReplicaMirror(self.geo, tiers=[t.medium for t in tiers])
+        media = [t.spec.medium if isinstance(t, SharedTier) else t.medium for t in tiers]
+        self.mirror = ReplicaMirror(self.geo, tiers=media, shared=[store] if store else [])
         self.num_mirror_lookups = 0
         self.num_mirror_tier_hits = 0
 
@@ -148,6 +169,10 @@ class TierDriver(Driver):
         mirror.check(batch)
         mirror.apply(batch)
         mgr = self.mgr
+        for tier in mgr.tiers.tiers:
+            if isinstance(tier, SharedTier) and self.store is not None:
+                wire = encode_batch(EventBatch(0.0, self.converter.convert(tier.take_events())))
+                self.store.apply(decode_batch(wire).events)
         for g in self.geo.cacheable:
             gid = g.group_id
             device = {hash64(key) for g2, _, key, _, _ in mgr.export_entries() if g2 == gid}
@@ -160,18 +185,23 @@ class TierDriver(Driver):
     def _entry(self, gid: int, b: int, key: bytes) -> Any:
         return (gid, b, self.book.by_hash[bytes(key)])
 
+    def _slot(self, t: int, slot: int) -> tuple[Any, int, int]:
+        if self.mgr.tiers.tiers[t].shared:
+            return ("shared", 0, slot)
+        return (id(self), t, slot)
+
     def _run_ops(self, step: StepPlan) -> None:
         """The engine's order: tier ops, then fresh blocks, then copies; then the reads."""
         for op in step.tier_ops:
             if isinstance(op, Demote):
-                self.slot_bytes[(op.tier, op.slot)] = set(self.bytes[op.block_id])
+                self.slot_bytes[self._slot(op.tier, op.slot)] = set(self.bytes[op.block_id])
                 self.num_demotes += 1
             elif isinstance(op, Move):
-                src = self.slot_bytes[(op.src_tier, op.src_slot)]
-                self.slot_bytes[(op.dst_tier, op.dst_slot)] = set(src)
+                src = self.slot_bytes[self._slot(op.src_tier, op.src_slot)]
+                self.slot_bytes[self._slot(op.dst_tier, op.dst_slot)] = set(src)
             else:
                 assert isinstance(op, Load)
-                self.bytes[op.block_id] = set(self.slot_bytes[(op.tier, op.slot)])
+                self.bytes[op.block_id] = set(self.slot_bytes[self._slot(op.tier, op.slot)])
                 self.loaded.add(op.block_id)
                 self.num_loads += 1
         for plan in step.requests:

@@ -97,3 +97,24 @@ def test_a_sweep_puts_the_tiers_under_every_case(tmp_path: Path) -> None:
     rows = json.loads((tmp_path / "s" / "sweep.json").read_text())["cases"]
     assert [r["tiers"]["host"]["capacity_blocks"] for r in rows] == [2000, 2000]
     assert all(r["tiers"]["host"]["hit_tokens"] > 0 for r in rows)
+
+
+def test_the_tiers_benchmark_compares_routing_with_and_without_the_tiers(tmp_path: Path) -> None:
+    """benchmarks/tiers_trace.py --replicas: one JSON line per routing, both reconciled, the
+    tier-aware one with a host prediction (the figures themselves are not asserted)."""
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "tiers_trace.py"
+    excerpt = Path(__file__).resolve().parents[1] / "data" / "mooncake_conversation_excerpt.jsonl"
+    wl = tmp_path / "wl.jsonl"
+    imported = subprocess.run(
+        [sys.executable, "-m", "kvreuse", "workload", "import", "mooncake", str(excerpt)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    wl.write_text(imported.stdout)
+    cmd = [sys.executable, str(bench), str(wl), "--geometry", "hybrid-dcp4", "--replicas", "2"]
+    cmd += ["--device", "200K", "--host", "1M"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True)
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [x["params"]["case"] for x in lines] == ["tier-aware", "device-only"]
+    assert all(x["params"]["reconciled"] and 0 <= x["value"] <= 1 for x in lines)
+    assert lines[0]["params"]["predicted_host_tokens"] is not None
+    assert lines[1]["params"]["predicted_host_tokens"] is None

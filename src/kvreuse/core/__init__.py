@@ -70,6 +70,7 @@ from kvreuse.core.plan import Copy, RecurrentSlot, RequestPlan, Save, StepPlan
 from kvreuse.core.policy import EvictionPolicy, LRUPolicy, PoolView
 from kvreuse.core.request import Deferral, MultiModalItem, Request, SavePurpose
 from kvreuse.core.savepoints import finish_point, replay_point
+from kvreuse.core.shared_tier import SharedTier
 from kvreuse.core.tier_lookup import LayeredIndex, tier_hit_tokens, tier_sources
 from kvreuse.core.tiers import DEVICE_MEDIUM, Admission, Demote, Load, Move, TierOp, TierSpec
 
@@ -114,6 +115,7 @@ __all__ = [
     "RequestStats",
     "Save",
     "SavePurpose",
+    "SharedTier",
     "Stage",
     "StaleLookupError",
     "StateGroup",

@@ -43,6 +43,7 @@ from kvreuse.core.pool import BlockPool
 from kvreuse.core.request import Deferral, Phase, Request, RequestState, new_request_state
 from kvreuse.core.rules import check_allocate, plain_growth
 from kvreuse.core.savepoints import planned_positions, save_positions
+from kvreuse.core.shared_tier import SharedTier
 from kvreuse.core.tier_lookup import NO_TIER_TOKENS, TierLoads, TierView, device_hits, tier_sources
 from kvreuse.core.tiers import TierSpec, TierStack
 
@@ -55,13 +56,18 @@ class KVCacheManager(Observed):
     and commit to their modules, each given only the owners it uses.
     """
 
-    def __init__(self, config: CacheConfig, tiers: Sequence[TierSpec] = ()) -> None:
-        """`tiers`: memory below the pool, in order (kvreuse.core.tiers); none by default."""
+    def __init__(self, config: CacheConfig, tiers: Sequence[TierSpec | SharedTier] = ()) -> None:
+        """`tiers`: memory below the pool, in order (kvreuse.core.tiers; a SharedTier is one
+        several managers share, kvreuse.core.shared_tier); none by default."""
         if not isinstance(config, CacheConfig):
             raise TypeError(f"KVCacheManager needs a CacheConfig, got {type(config).__name__}")
         for spec in tiers:
-            if not isinstance(spec, TierSpec):
-                raise TypeError(f"tiers must be TierSpec objects, got {type(spec).__name__}")
+            if isinstance(spec, SharedTier):
+                spec.check_layout(config)
+            elif not isinstance(spec, TierSpec):
+                raise TypeError(
+                    f"tiers must be TierSpec or SharedTier objects, got {type(spec).__name__}"
+                )
         self.config = config
         self.geo = config.geometry
         self.events = EventLog(config.enable_events, config.max_pending_events)

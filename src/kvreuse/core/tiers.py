@@ -133,6 +133,9 @@ class Slot:
 class Tier:
     """One tier's slots, its per-group index and its LRU order (oldest first)."""
 
+    shared = False  # one object below several stacks (kvreuse.core.shared_tier)
+    log: TierEvents | None = None  # a shared tier's own event log
+
     def __init__(self, spec: TierSpec, num_groups: int) -> None:
         self.spec = spec
         self.slots: dict[int, Slot] = {}
@@ -214,16 +217,23 @@ class TierStack:
     """The tiers below one pool, in order, and the ops decided since they were last taken."""
 
     def __init__(
-        self, specs: Sequence[TierSpec], kinds: Sequence[str], log: TierEvents | None = None
+        self,
+        specs: Sequence[TierSpec | Tier],
+        kinds: Sequence[str],
+        log: TierEvents | None = None,
     ) -> None:
-        names, media = [s.name for s in specs], [s.medium for s in specs]
+        """`specs`: a TierSpec for a tier of this stack's own, or a `Tier` object another
+        stack shares (kvreuse.core.shared_tier), whose changes go to its own `log`."""
+        tiers = [s if isinstance(s, Tier) else Tier(s, len(kinds)) for s in specs]
+        names, media = [t.spec.name for t in tiers], [t.spec.medium for t in tiers]
         if len(set(names)) != len(names):
             raise ConfigError(f"tier names must differ (got {names})")
         if len(set(media)) != len(media):
             raise ConfigError(f"tier media must differ: events tell tiers apart (got {media})")
-        self.log = log  # where index changes go as KV events (TierStored, TierRemoved)
         self.kinds = list(kinds)  # per group id, its kind's name
-        self.tiers = [Tier(s, len(kinds)) for s in specs]
+        self.tiers = tiers
+        # per tier, where its index changes go as KV events (TierStored, TierRemoved)
+        self.logs: list[TierEvents | None] = [t.log if t.shared else log for t in tiers]
         self.ops: list[TierOp] = []
         self.num_demoted = 0
         self.num_dropped = 0
@@ -288,14 +298,16 @@ class TierStack:
 
     def _place(self, t: int, entry: Slot) -> int:
         slot, new = self.tiers[t].place(Slot(entry.group_id, list(entry.keys)))
-        if new and self.log is not None and self.log.enabled:
-            self.log.tier_stored(t, self.tiers[t].spec.medium, entry.group_id, new)
+        log = self.logs[t]
+        if new and log is not None and log.enabled:
+            log.tier_stored(t, self.tiers[t].spec.medium, entry.group_id, new)
         return slot
 
     def _take(self, t: int, slot: int) -> None:
         entry, gone = self.tiers[t].take(slot)
-        if gone and self.log is not None and self.log.enabled:
-            self.log.tier_removed(t, self.tiers[t].spec.medium, entry.group_id, gone)
+        log = self.logs[t]
+        if gone and log is not None and log.enabled:
+            log.tier_removed(t, self.tiers[t].spec.medium, entry.group_id, gone)
 
     # ------------------------------------------------------------------ loads
     def pin(self, sources: Iterable[tuple[int, int]]) -> None:
@@ -317,10 +329,12 @@ class TierStack:
         return list(entry.keys)
 
     def clear(self) -> None:
-        """Forget every slot of every tier (bytes left behind are never read again); the
-        pool's AllBlocksCleared event, which `reset()` records, says so to consumers."""
+        """Forget every slot of every tier of this stack's own (bytes left behind are never
+        read again); the pool's AllBlocksCleared event, which `reset()` records, says so to
+        consumers. A shared tier stays: its bytes are its namespace's, not this replica's."""
         for tier in self.tiers:
-            tier.clear()
+            if not tier.shared:
+                tier.clear()
 
     # ------------------------------------------------------------------ views
     def export_entries(self) -> list[tuple[int, int, int, bytes, int]]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvreuse.core import CacheConfig, KVCacheManager, Request, Stage, TierSpec
+from kvreuse.core import CacheConfig, KVCacheManager, Request, SharedTier, Stage, TierSpec
 from kvreuse.deployment import DeploymentSpec, check_num_blocks, resolve
 from kvreuse.engine.checkpoint import load_model
 from kvreuse.engine.config import LAYER_KINDS, ModelConfig
@@ -21,6 +21,7 @@ from kvreuse.engine.hf import is_hf_model_dir, load_hf_model
 from kvreuse.engine.model import Model, TinyModel
 from kvreuse.engine.runner import ModelRunner
 from kvreuse.engine.sampling import SamplingParams
+from kvreuse.engine.store import bind_tiers
 from kvreuse.engine.tiers import TierBytes
 from kvreuse.sched import Scheduler, Seq
 from kvreuse.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -97,7 +98,7 @@ class LLM:
         num_spec_tokens: int | None = None,
         seed: int = 0,
         tokenizer: str | None = None,
-        tiers: Sequence[tuple[TierSpec, TierBytes]] = (),
+        tiers: Sequence[tuple[TierSpec | SharedTier, TierBytes]] = (),
     ) -> None:
         """`model`: a directory with config.json and safetensors weights, kvreuse's tiny model
         or a Hugging Face checkpoint of a supported family (`kvreuse.engine.hf`); None: the
@@ -111,8 +112,10 @@ class LLM:
         `num_spec_tokens` (the tiny-spec-* presets) speculates by default, with the model's
         draft head when it has one ("eagle"), else "ngram"; `num_spec_tokens=0` turns it off.
 
-        `tiers`: memory below the cache, in order, each the core's `TierSpec` and the bytes
-        that hold it (`kvreuse.engine.tiers`: `HostTier()`, `BytesTier(store)`); docs/tiers.md."""
+        `tiers`: memory below the cache, in order, each the core's `TierSpec` (or a
+        `SharedTier` other LLMs list too) and the bytes that hold it (`kvreuse.engine.tiers`:
+        `HostTier()`, `BytesTier(store)`, `BytesTier(RedisBytes(url))`); each `BytesTier` is
+        bound to a namespace of the model and layout (kvreuse.engine.store); docs/tiers.md."""
         hf = model is not None and is_hf_model_dir(model)
         if geometry is None:
             geometry = model if hf and model is not None else DEFAULT_GEOMETRY
@@ -141,6 +144,8 @@ class LLM:
             )
         check_model_fits(self.model.config, cache)
         spec, num_spec_tokens = self._speculation(spec, num_spec_tokens, geo.sched.num_spec_tokens)
+        weights = self.model.w if isinstance(self.model, TinyModel) else self.model.family.w
+        bind_tiers(tiers, self.model_name, weights)
         self.mgr = KVCacheManager(cache, tiers=[spec_ for spec_, _ in tiers])
         self.runner = ModelRunner(
             self.model, cache, spec=spec, seed=seed, tiers=[held for _, held in tiers]

@@ -56,16 +56,22 @@ class BytesTier:
     ) -> None:
         self.store: MutableMapping[str, bytes] = {} if store is None else store
         self.name = name
+        self.prefix = ""  # the namespace in `store` (`bind`)
+
+    def bind(self, namespace: str) -> None:
+        """Keep this tier's values under `namespace` in the store (`LLM` binds each tier:
+        kvreuse.engine.store)."""
+        self.prefix = f"{namespace}:"
 
     def put(self, slot: int, block: Block) -> None:
         buf = io.BytesIO()
         torch.save({layer: t.contiguous() for layer, t in block.items()}, buf)
         payload = buf.getvalue()
         head = _HEAD.pack(MAGIC, len(payload), hashlib.sha256(payload).digest())
-        self.store[str(slot)] = head + payload
+        self.store[f"{self.prefix}{slot}"] = head + payload
 
     def get(self, slot: int) -> Block:
-        raw = self.store.get(str(slot))
+        raw = self.store.get(f"{self.prefix}{slot}")
         if raw is None or len(raw) < _HEAD.size:
             raise TierCorruption(f"{self.name} tier slot {slot}: no value or a truncated one")
         magic, length, digest = _HEAD.unpack_from(raw)

@@ -25,7 +25,7 @@ from kvreuse.events.common import MODES
 
 if TYPE_CHECKING:
     from kvreuse.events.convert import Converter, attention_group
-    from kvreuse.events.mirror import HashChain, ReplicaMirror, TruncatedIndex
+    from kvreuse.events.mirror import HashChain, ReplicaMirror, StoreMirror, TruncatedIndex
     from kvreuse.events.publisher import Publisher, is_bind_endpoint
     from kvreuse.events.stream import ReplicaStream
     from kvreuse.events.subscriber import Subscriber
@@ -36,6 +36,7 @@ _HOME = {
     "attention_group": "convert",
     "HashChain": "mirror",
     "ReplicaMirror": "mirror",
+    "StoreMirror": "mirror",
     "TruncatedIndex": "mirror",
     "Publisher": "publisher",
     "is_bind_endpoint": "publisher",
@@ -55,6 +56,7 @@ __all__ = [
     "Publisher",
     "ReplicaMirror",
     "ReplicaStream",
+    "StoreMirror",
     "Subscriber",
     "TruncatedIndex",
     "attention_group",

@@ -27,6 +27,11 @@ medium ("CPU" for host memory). Each medium gets its own entries per group, in t
 the device and then every tier, as the replica's own lookup sees its pool and tiers: a tier
 entry stands for a virtual block id below zero (`kvreuse.core.tier_lookup`), so a lookup on it
 says which tier each block of the hit would be loaded from.
+
+A tier several replicas share (kvreuse.core.shared_tier) sends its own events, in the order its
+index changes whichever replica changed it; a `StoreMirror` follows them, and each replica's
+mirror lists it in `shared`, so all of them read the one index (and a replica's `clear` leaves
+it).
 """
 
 from __future__ import annotations
@@ -69,6 +74,43 @@ class TruncatedIndex(Mapping[bytes, int]):
         return len(self.entries)
 
 
+class StoreMirror:
+    """The keys one shared tier holds (kvreuse.core.shared_tier), per group, from the tier's
+    own events (`SharedTier.take_events()` through a `Converter`): one object that the mirror
+    of every replica reading the tier lists in `shared`, so a key one replica demoted is a
+    hit the router sees on all of them. Its entries' values are 0: a tier entry's value only
+    says where a block is, never its boundary."""
+
+    def __init__(self, geometry: Geometry, medium: str) -> None:
+        if not medium or medium == MEDIUM_GPU:
+            raise ValueError(f"a shared tier's medium must name a tier, not {medium!r}")
+        self.geometry, self.medium = geometry, medium
+        self.index = [TruncatedIndex() for _ in geometry.groups]
+
+    def entries(self, group_id: int) -> dict[int, int]:
+        return self.index[group_id].entries
+
+    def apply(self, events: list[WireEvent]) -> None:
+        """The tier's events in order (those of another medium are ignored)."""
+        for ev in events:
+            if isinstance(ev, BlockStored | BlockRemoved) and ev.medium == self.medium:
+                gid = ev.group_idx or 0
+                if not 0 <= gid < len(self.index):
+                    continue
+                entries = self.index[gid].entries
+                if isinstance(ev, BlockStored):
+                    entries.update(dict.fromkeys(ev.block_hashes, 0))
+                else:
+                    for h in ev.block_hashes:
+                        entries.pop(h, None)
+            elif isinstance(ev, AllBlocksCleared):
+                self.clear()
+
+    def clear(self) -> None:
+        for idx in self.index:
+            idx.entries.clear()
+
+
 class MirrorError(ValueError):
     """A batch the mirror cannot place in its geometry (checked before anything is applied)."""
 
@@ -86,8 +128,11 @@ class ReplicaMirror:
         *,
         removed_memo: int | None = None,
         tiers: Sequence[str] = (),
+        shared: Sequence[StoreMirror] = (),
     ) -> None:
         self.geometry = geometry
+        # media of shared tiers: their keys come from the tier's own stream, not the replica's
+        self._shared = {m.medium: m for m in shared}
         self.default_group = default_group  # where events without `group_idx` go (legacy)
         self._index = [TruncatedIndex() for _ in geometry.groups]
         self.media: list[str] = []  # the tiers' media, in tier order (module docstring)
@@ -133,12 +178,17 @@ class ReplicaMirror:
             return self.media.index(medium)
         except ValueError:
             self.media.append(medium)
-            self._tiers.append([TruncatedIndex() for _ in self.geometry.groups])
+            store = self._shared.get(medium)
+            self._tiers.append(
+                store.index if store else [TruncatedIndex() for _ in self.geometry.groups]
+            )
             self._tiered = None
             return len(self.media) - 1
 
     def clear(self) -> None:
-        for idx in (*self._index, *(i for tier in self._tiers for i in tier)):
+        """Forget the replica's entries; a shared tier's stay (its own stream clears them)."""
+        own = [t for m, t in zip(self.media, self._tiers, strict=True) if m not in self._shared]
+        for idx in (*self._index, *(i for tier in own for i in tier)):
             idx.entries.clear()
         for ghost in self._ghost:
             ghost.clear()
@@ -167,7 +217,7 @@ class ReplicaMirror:
             if isinstance(ev, BlockStored):
                 if _on_device(ev.medium):
                     self._stored(ev)
-                else:
+                elif ev.medium not in self._shared:
                     self._tier_stored(ev)
             elif isinstance(ev, BlockRemoved):
                 gid = self._group(ev.group_idx)
@@ -175,7 +225,7 @@ class ReplicaMirror:
                     continue
                 if _on_device(ev.medium):
                     self._removed_from(gid, ev.block_hashes)
-                else:
+                elif ev.medium not in self._shared:
                     self._tier_removed(self._tier(str(ev.medium)), gid, ev.block_hashes)
             elif isinstance(ev, AllBlocksCleared):
                 self.clear()

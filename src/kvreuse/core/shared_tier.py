@@ -1,0 +1,93 @@
+"""A tier several managers share: one store below every replica of a fleet.
+
+    replica 0: pool ─► host 0 ─┐
+    replica 1: pool ─► host 1 ─┼─► shared store (one index, one LRU, one slot numbering)
+    replica 2: pool ─► host 2 ─┘
+
+Each manager lists the same `SharedTier` object among its tiers (the facade's
+`tiers=[TierSpec("host", …), store]`). Its slots, index and LRU order are one piece of state:
+a block one replica demotes is a hit another replica's lookup sees, and loads from its slot; a
+slot one replica's eviction drops is gone for all. Each manager's ops still name the slot
+(`Demote`, `Move`, `Load` with the manager's own tier number for it), and its engine carries
+them out on the one byte store behind the tier.
+
+Rules that keep it exact:
+
+* Managers sharing a tier take their steps one at a time: a step's decisions and its engine's
+  tier ops complete before another manager decides (a slot pinned for a load is pinned only
+  while the load is decided, and a slot number is reused only after its bytes were read).
+  `kvreuse.LLM` runs a step's ops inside `step()`, so LLMs stepped in turn on one thread
+  keep the rule; the fleet simulation steps replicas in simulated order and keeps it too.
+* Only managers of one cache layout may share a tier: the same groups, page sizes, DCP size,
+  hash unit, hash function and seed, speculative mode (`layout_of`). Another layout is refused
+  when the manager is built. Bytes are namespaced by `namespace` (a digest of the layout) and
+  by the model, which the engine adds.
+* The tier's index changes are its own KV events (`take_events()`: `TierStored`,
+  `TierRemoved` with the tier's medium), recorded in the order they happen whichever replica
+  caused them: a router that mirrors the store reads them from the store, not from each
+  replica, whose streams reach it in another order.
+* A manager's `reset()` leaves a shared tier alone: its bytes belong to the namespace, not to
+  that replica's weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import astuple
+
+from kvreuse.core.config import CacheConfig
+from kvreuse.core.errors import ConfigError
+from kvreuse.core.events import Event, EventLog
+from kvreuse.core.tiers import Tier, TierSpec
+
+
+def layout_of(config: CacheConfig) -> tuple[object, ...]:
+    """What must agree for two caches to read each other's blocks: what a key names and what
+    a block holds (not the pool's size, the policies or the event options)."""
+    return (
+        tuple(astuple(g) for g in config.groups),
+        config.dcp_size,
+        config.hash_unit,
+        config.hash_algo,
+        config.hash_seed,
+        config.spec_mode,
+        config.lookahead_tokens,
+    )
+
+
+class SharedTier(Tier):
+    """A tier (`spec`) for managers of `config`'s cache layout to share (module docstring)."""
+
+    shared = True
+
+    def __init__(
+        self,
+        spec: TierSpec,
+        config: CacheConfig,
+        *,
+        enable_events: bool = False,
+        max_pending_events: int | None = 65536,
+    ) -> None:
+        if not isinstance(spec, TierSpec):
+            raise TypeError(f"SharedTier needs a TierSpec, got {type(spec).__name__}")
+        if not isinstance(config, CacheConfig):
+            raise TypeError(f"SharedTier needs a CacheConfig, got {type(config).__name__}")
+        super().__init__(spec, len(config.groups))
+        self.config = config
+        self.layout = layout_of(config)
+        self.namespace = hashlib.sha256(repr(self.layout).encode()).hexdigest()[:16]
+        self.events = EventLog(enable_events, max_pending_events)
+        self.log = self.events  # where every stack sharing the tier records its changes
+
+    def check_layout(self, config: CacheConfig) -> None:
+        """ConfigError unless a manager of `config` may share this tier."""
+        if layout_of(config) != self.layout:
+            raise ConfigError(
+                f"shared tier {self.spec.name!r} holds blocks of another cache layout (groups, "
+                "page sizes, DCP size, hash unit, hash function and seed, speculative mode "
+                "must all agree); give this manager its own tier"
+            )
+
+    def take_events(self) -> list[Event]:
+        """The tier's index changes since the last call, in the order they happened."""
+        return self.events.take(self.config.geometry)

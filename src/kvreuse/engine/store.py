@@ -1,0 +1,115 @@
+"""A shared store's bytes in a Redis (or Valkey) server, for `BytesTier`.
+
+    LLM 0 ─┐                                     one SharedTier (the core's index and LRU)
+    LLM 1 ─┼─ BytesTier(RedisBytes(url, ns)) ──► redis: "kvreuse:<ns>:<slot>" → framed bytes
+    LLM 2 ─┘
+
+`RedisBytes` is a mapping of `str` to `bytes` kept in the server under `kvreuse:`. `LLM` binds
+each `BytesTier` to a namespace inside it: for a shared tier `store_namespace(model_id, tier)`
+(the model's name and a digest of its weights, the cache layout's `SharedTier.namespace`, the
+tier's name), so replicas of the same model and layout read each other's bytes and no other
+replica does; for a tier of its own, a namespace of its own. A server can hold many at once.
+`BytesTier` frames each value with a checksum, so a value another writer changed is refused at
+its load (`TierCorruption`), never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from typing import Any
+
+import torch
+
+from kvreuse.core import SharedTier, TierSpec
+
+
+class StoreUnavailable(RuntimeError):
+    """The store server cannot be reached (or the client is not installed)."""
+
+
+def weights_digest(weights: Mapping[str, torch.Tensor]) -> str:
+    """A digest of a model's weights (names, shapes, dtypes and values)."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(weights.items()):
+        t = tensor.detach().cpu().contiguous()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def store_namespace(model_id: str, tier: SharedTier) -> str:
+    """The namespace of a shared tier's bytes: the model and the cache layout."""
+    return f"{model_id}:{tier.namespace}:{tier.spec.name}"
+
+
+class RedisBytes(MutableMapping[str, bytes]):
+    """Values under `kvreuse:` in the server at `url` (redis://host:port/db)."""
+
+    def __init__(self, url: str, *, timeout_s: float = 5.0) -> None:
+        try:
+            import redis
+        except ImportError as exc:  # pragma: no cover - an install without the client
+            raise StoreUnavailable(
+                "the shared store needs the redis client: pip install 'kvreuse[engine]'"
+            ) from exc
+        self.url = url
+        self.prefix = "kvreuse:"
+        self.client: Any = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        )
+        try:
+            self.client.ping()
+        except redis.RedisError as exc:
+            raise StoreUnavailable(
+                f"cannot reach the store at {url} ({exc}); start one, e.g. redis-server --port "
+                "6379, or give another url"
+            ) from exc
+
+    def __getitem__(self, key: str) -> bytes:
+        value = self.client.get(self.prefix + key)
+        if value is None:
+            raise KeyError(key)
+        return bytes(value)
+
+    def __setitem__(self, key: str, value: bytes) -> None:
+        self.client.set(self.prefix + key, value)
+
+    def __delitem__(self, key: str) -> None:
+        if not self.client.delete(self.prefix + key):
+            raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        n = len(self.prefix)
+        for raw in self.client.scan_iter(match=self.prefix + "*", count=1000):
+            yield raw.decode()[n:]
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def clear(self) -> None:
+        """Delete every value kvreuse keeps in the server (and no other)."""
+        keys = [self.prefix + k for k in self]
+        for i in range(0, len(keys), 1000):
+            self.client.delete(*keys[i : i + 1000])
+
+
+def bind_tiers(
+    tiers: Sequence[tuple[TierSpec | SharedTier, object]],
+    model_name: str,
+    weights: Mapping[str, torch.Tensor],
+) -> None:
+    """Bind each `BytesTier` of `tiers` to its namespace (the module docstring): a shared
+    tier's is the model's and the layout's, one of a replica's own is that replica's alone."""
+    from kvreuse.engine.tiers import BytesTier
+
+    if not any(isinstance(held, BytesTier) for _, held in tiers):
+        return  # no digest of the weights to take
+    model_id = f"{model_name}:{weights_digest(weights)}"
+    for spec, held in tiers:
+        if isinstance(held, BytesTier):
+            if isinstance(spec, SharedTier):
+                held.bind(store_namespace(model_id, spec))
+            else:
+                held.bind(f"{model_id}:own-{uuid.uuid4().hex[:12]}:{spec.name}")

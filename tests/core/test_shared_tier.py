@@ -1,0 +1,158 @@
+"""A tier several managers share (kvreuse.core.shared_tier): random histories on two or three
+replicas that take their steps in turn over one store, each checked as a lone replica with
+tiers is (test_tiers.py): every lookup against the oracle over its pool, its own tiers and the
+store; a model of the bytes carried by every replica's ops through one set of store slots; the
+mirror of each replica, reading the store through one StoreMirror, key for key."""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from harness import Engine
+from kvreuse import CacheConfig, GroupSpec, KVCacheManager, Request
+from kvreuse.core import ConfigError, Load, SharedTier, TierSpec
+from kvreuse.events import StoreMirror
+from test_properties import geometries
+from test_tiers import TierDriver
+
+
+class FleetEngine(Engine):
+    """The harness's histories, with prompts drawn from every replica's requests: a session
+    started on one replica goes on, or is resent, on another."""
+
+    def __init__(self, drv: TierDriver, max_len: int, peers: list[TierDriver]) -> None:
+        super().__init__(drv, max_len)
+        self.peers = peers
+
+    def random_prompt(self) -> list[int]:
+        mine = self.drv.finished, self.drv.known
+        other = self.rng.choice(self.peers)
+        self.drv.finished = other.finished + self.drv.finished
+        self.drv.known = {**other.known, **self.drv.known}
+        try:
+            return super().random_prompt()
+        finally:
+            self.drv.finished, self.drv.known = mine
+
+
+def fleet(
+    cfg: CacheConfig, seed: int, num_replicas: int, store_blocks: int, host_blocks: int | None
+) -> tuple[list[TierDriver], SharedTier, StoreMirror]:
+    store = SharedTier(TierSpec("store", store_blocks), cfg, enable_events=True)
+    mirror = StoreMirror(cfg.geometry, store.spec.medium)
+    slot_bytes: defaultdict[tuple[Any, int, int], set[Any]] = defaultdict(set)
+    rng = random.Random(seed)
+    drivers = []
+    for _ in range(num_replicas):
+        tiers: list[TierSpec | SharedTier] = [store]
+        if host_blocks is not None:
+            tiers.insert(0, TierSpec("host", host_blocks, medium="CPU"))
+        drivers.append(TierDriver(cfg, rng, tiers, store=mirror, slot_bytes=slot_bytes))
+    for drv in drivers[1:]:
+        drv.book = drivers[0].book  # one hash function: one map of keys to prefixes
+    return drivers, store, mirror
+
+
+@given(
+    cfg=geometries(),
+    seed=st.integers(0, 2**32 - 1),
+    num_replicas=st.integers(2, 3),
+    store_blocks=st.sampled_from([1, 4, 12, 40]),
+    host_blocks=st.sampled_from([None, None, 2, 8]),
+    rounds=st.integers(1, 40),
+)
+def test_replicas_sharing_a_store_agree_with_the_oracle(
+    cfg: CacheConfig,
+    seed: int,
+    num_replicas: int,
+    store_blocks: int,
+    host_blocks: int | None,
+    rounds: int,
+) -> None:
+    drivers, store, _ = fleet(cfg, seed, num_replicas, store_blocks, host_blocks)
+    page = max(g.page_size for g in cfg.geometry.groups)
+    max_len = min(3 * page + 5, 120)
+    engines = [FleetEngine(d, max_len, drivers) for d in drivers]
+    rng = random.Random(seed ^ 0x5EED)
+    for _ in range(rounds):
+        rng.choice(engines).run(1)  # one replica's step at a time (the sharing rule)
+    for drv in drivers:
+        drv.check()
+    assert not store.pinned
+
+
+def test_the_property_loads_from_the_store_across_replicas() -> None:
+    """The histories above do move bytes between replicas: a block one replica demoted is
+    loaded by another, and the admission reads bytes of its own prefix."""
+    cfg = CacheConfig(
+        num_blocks=8, groups=[GroupSpec(kind="full", block_size=2)], enable_events=True
+    )
+    crossed = 0
+    for seed in range(30):
+        drivers, _, _ = fleet(cfg, seed, 2, 40, None)
+        engines = [FleetEngine(d, 12, drivers) for d in drivers]
+        rng = random.Random(seed)
+        writers: dict[int, int] = {}  # store slot: the replica that last wrote it
+        for _ in range(40):
+            i = rng.randrange(2)
+            seen = len(drivers[i].trace)
+            engines[i].run(1)
+            for item in drivers[i].trace[seen:]:
+                for op in getattr(item, "tier_ops", ()):
+                    if isinstance(op, Load):
+                        crossed += writers.get(op.slot, i) != i
+                    else:
+                        writers[getattr(op, "slot", getattr(op, "dst_slot", -1))] = i
+        for drv in drivers:
+            drv.check()
+    assert crossed > 20
+
+
+def run_one(mgr: KVCacheManager, rid: str, tokens: list[int]) -> tuple[int, list[int]]:
+    mgr.add_request(Request(rid, tokens))
+    hit = mgr.lookup(rid)
+    mgr.allocate(rid, len(tokens) - hit.hit, lookup=hit)
+    step = mgr.seal_step()
+    mgr.commit(step.step_id, {rid: (len(tokens), [0])})
+    mgr.finish(rid)
+    return hit.hit, [op.tier for op in step.tier_ops if isinstance(op, Load)]
+
+
+CFG = CacheConfig(num_blocks=6, groups=[GroupSpec(kind="full", block_size=4)])
+
+
+def test_a_session_moved_to_another_replica_reuses_its_history_from_the_store() -> None:
+    store = SharedTier(TierSpec("store", 16), CFG)
+    a, b = (KVCacheManager(CFG, tiers=[store]) for _ in range(2))
+    history = list(range(17))
+    assert run_one(a, "t1", history) == (0, [])
+    run_one(a, "other", list(range(100, 118)))  # a's pages go down to the store
+    hit, loads = run_one(b, "t2", [*history, 50, 51, 52])  # the next turn, on b
+    assert hit == 16 and loads == [0] * 4  # its whole history, from the shared store
+    for mgr in (a, b):
+        mgr.check_invariants()
+
+
+def test_a_reset_leaves_the_shared_tier() -> None:
+    store = SharedTier(TierSpec("store", 16), CFG)
+    a, b = (KVCacheManager(CFG, tiers=[store]) for _ in range(2))
+    run_one(a, "t1", list(range(17)))
+    run_one(a, "other", list(range(100, 118)))
+    held = len(store)
+    assert held and a.reset()
+    assert len(store) == held
+    assert run_one(b, "t2", list(range(17)))[0] == 16
+
+
+def test_another_cache_layout_cannot_share_the_tier() -> None:
+    store = SharedTier(TierSpec("store", 16), CFG)
+    KVCacheManager(CacheConfig(num_blocks=64, groups=CFG.groups), tiers=[store])  # pool size: ok
+    other = CacheConfig(num_blocks=6, groups=[GroupSpec(kind="full", block_size=8)])
+    with pytest.raises(ConfigError, match="another cache layout"):
+        KVCacheManager(other, tiers=[store])

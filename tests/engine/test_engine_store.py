@@ -1,0 +1,99 @@
+"""Replicas sharing one store in a real Redis server: a session started on one replica, its
+blocks evicted to the store, goes on on another replica and reuses its history from the store,
+with the same tokens and logits as a cold run; replicas of another model keep apart."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from store_server import redis_server
+
+from kvreuse.core import Admission, SharedTier, TierSpec
+from kvreuse.deployment import preset
+from kvreuse.engine import LLM, SamplingParams
+from kvreuse.engine.store import RedisBytes, StoreUnavailable
+from kvreuse.engine.tiers import BytesTier, HostTier
+
+GEOMETRY = "tiny-hybrid-dcp4"
+POOL = 12
+SP = SamplingParams(temperature=0.0, max_tokens=6)
+RNG = random.Random(5)
+HISTORY = [RNG.randrange(256) for _ in range(150)]
+FLOODS = [[RNG.randrange(256) for _ in range(150)] for _ in range(3)]
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with redis_server(tmp_path_factory.mktemp("redis")) as u:
+        yield u
+
+
+def replicas(url: str, n: int, seed: int = 0) -> tuple[list[LLM], SharedTier]:
+    """`n` LLMs of one model, each with a host tier of its own that keeps nothing, over one
+    store tier in the server."""
+    store = SharedTier(TierSpec("store", 400), preset(GEOMETRY).cache)
+    out = []
+    for _ in range(n):
+        host = TierSpec("host", 400, default=Admission.NEVER)
+        tiers = [(host, HostTier()), (store, BytesTier(RedisBytes(url)))]
+        out.append(LLM(geometry=GEOMETRY, num_blocks=POOL, tiers=tiers, seed=seed))
+    return out, store
+
+
+def run(llm: LLM, prompt: list[int]) -> tuple[list[int], torch.Tensor, int]:
+    llm.runner.record_logits = True
+    res = llm.generate([prompt], SP)[0]
+    logits = torch.stack(llm.runner.logits_log[res.request_id][: len(res.token_ids)])
+    llm.mgr.check_invariants()
+    return res.token_ids, logits, res.cached_tokens
+
+
+def test_a_session_moved_to_another_replica_reuses_its_history_from_the_store(url: str) -> None:
+    (a, b, c), store = replicas(url, 3)
+    run(a, HISTORY)
+    for flood in FLOODS:  # a's pool evicts the session's pages and states to the store
+        run(a, flood)
+    assert len(store) > 0
+    turn = [*HISTORY, 7, 8, 9]
+    cold_tokens, cold_logits, _ = run(LLM(geometry=GEOMETRY, enable_caching=False), turn)
+    before = [sum(row) for row in b.mgr.tiers.num_loaded]
+    tokens, logits, cached = run(b, turn)  # the next turn lands on b
+    loaded = [sum(row) - x for row, x in zip(b.mgr.tiers.num_loaded, before, strict=True)]
+    assert cached == b.mgr.replay_point(len(HISTORY)) > 0
+    assert loaded[0] == 0 and loaded[1] > 0 and b.mgr.tiers.hit_tokens == [0, cached]
+    assert tokens == cold_tokens
+    assert torch.allclose(logits, cold_logits, atol=1e-4)
+    assert run(c, [RNG.randrange(256) for _ in range(40)])[2] == 0  # c shares no prompt yet
+
+
+def test_replicas_of_another_model_never_read_the_stores_bytes(url: str) -> None:
+    (a,), _ = replicas(url, 1, seed=0)
+    (other,), _ = replicas(url, 1, seed=1)  # the same layout, other weights
+    ns = [llm.runner.tiers[1].prefix for llm in (a, other)]
+    assert ns[0] != ns[1]
+    run(a, HISTORY)
+    for flood in FLOODS:
+        run(a, flood)
+    keys = list(RedisBytes(url))
+    assert any(k.startswith(ns[0]) for k in keys)
+    assert not any(k.startswith(ns[1]) for k in keys)
+
+
+def test_an_unreachable_store_says_where_it_looked() -> None:
+    with pytest.raises(
+        StoreUnavailable, match=r"cannot reach the store at redis://127\.0\.0\.1:1/0"
+    ):
+        RedisBytes("redis://127.0.0.1:1/0", timeout_s=0.5)
+
+
+def test_the_server_is_stopped_by_its_pid(tmp_path: Path) -> None:
+    import redis
+
+    with redis_server(tmp_path) as u:
+        RedisBytes(u)["probe"] = b"x"
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis.from_url(u, socket_connect_timeout=0.5).ping()
