@@ -16,7 +16,15 @@ from hypothesis import strategies as st
 
 from harness import Engine
 from kvreuse import CacheConfig, GroupSpec, KVCacheManager, Request
-from kvreuse.core import ConfigError, Load, SharedTier, TierSpec
+from kvreuse.core import (
+    ConfigError,
+    Demote,
+    Load,
+    SharedTier,
+    SharedTierBusyError,
+    StaleLookupError,
+    TierSpec,
+)
 from kvreuse.events import StoreMirror
 from test_properties import geometries
 from test_tiers import TierDriver
@@ -39,6 +47,15 @@ class FleetEngine(Engine):
             return super().random_prompt()
         finally:
             self.drv.finished, self.drv.known = mine
+
+    def run(self, num_rounds: int) -> None:
+        """A turn: the history's steps, then a step that takes the ops decided after the last
+        one (a chaos eviction's demotes) and runs them, before another replica decides."""
+        super().run(num_rounds)
+        step = self.drv.mgr.seal_step()
+        assert not step.requests
+        self.drv.trace.append(step)
+        self.drv.check()
 
 
 def fleet(
@@ -156,3 +173,32 @@ def test_another_cache_layout_cannot_share_the_tier() -> None:
     other = CacheConfig(num_blocks=6, groups=[GroupSpec(kind="full", block_size=8)])
     with pytest.raises(ConfigError, match="another cache layout"):
         KVCacheManager(other, tiers=[store])
+
+
+def test_a_manager_waits_for_the_others_ops_on_the_shared_tier() -> None:
+    """A demote decided but not yet taken names a slot whose bytes are not written: another
+    manager may neither read the tier nor reuse that slot until the step is sealed."""
+    store = SharedTier(TierSpec("store", 1), CFG)
+    a, b = (KVCacheManager(CFG, tiers=[store]) for _ in range(2))
+    run_one(a, "t1", list(range(17)))
+    a.add_request(Request("t2", list(range(100, 118))))
+    a.allocate("t2", 18, lookup=a.lookup("t2"))  # evicts t1's pages: demotes, not yet sealed
+    b.add_request(Request("t3", list(range(17))))
+    with pytest.raises(SharedTierBusyError, match="one at a time"):
+        b.lookup("t3")
+    assert any(isinstance(op, Demote) for op in a.seal_step().tier_ops)
+    assert b.lookup("t3").hit == 4  # the one slot holds t1's first page
+
+
+def test_a_lookup_made_before_another_managers_step_is_stale() -> None:
+    store = SharedTier(TierSpec("store", 16), CFG)
+    a, b = (KVCacheManager(CFG, tiers=[store]) for _ in range(2))
+    run_one(a, "t1", list(range(17)))
+    run_one(a, "t2", list(range(100, 118)))
+    b.add_request(Request("t3", list(range(17))))
+    res = b.lookup("t3")
+    assert res.loads
+    run_one(a, "t4", list(range(200, 220)))  # a's turn: the store's slots change
+    with pytest.raises(StaleLookupError):
+        b.allocate("t3", 1, lookup=res)
+    assert b.allocate("t3", 1, lookup=b.lookup("t3")) is not None

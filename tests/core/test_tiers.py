@@ -233,7 +233,13 @@ class TierDriver(Driver):
                     assert (gid, (j + 1) * B, ident(geo, oreq, (j + 1) * B)) in have, (gid, j)
                 elif mark == "copy":
                     top = min((j + 1) * B, nu * u)
-                    assert any((gid, b, ident(geo, oreq, b)) in have for b in range(h, top + 1, u))
+                    # The source may hold a later boundary of this page whose bytes before
+                    # it are this prefix's: a block loaded from a tier is keyed at its
+                    # page's lower boundaries too.
+                    assert any(
+                        self._covers(row[j], (gid, b, ident(geo, oreq, b)))
+                        for b in range(h, top + 1, u)
+                    ), (gid, j)
         for g in geo.cacheable:
             if not g.is_attention:
                 live = plan.recurrent[g.group_id].live

@@ -40,7 +40,13 @@ Notation (the spec's, used in names and comments):
 from kvreuse.core.commit import Outcome
 from kvreuse.core.config import CacheConfig, Geometry, GroupGeometry, GroupSpec
 from kvreuse.core.encoding import TOKEN_TYPECODE
-from kvreuse.core.errors import ConfigError, InvariantError, StaleLookupError, UnknownRequestError
+from kvreuse.core.errors import (
+    ConfigError,
+    InvariantError,
+    SharedTierBusyError,
+    StaleLookupError,
+    UnknownRequestError,
+)
 from kvreuse.core.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -116,6 +122,7 @@ __all__ = [
     "Save",
     "SavePurpose",
     "SharedTier",
+    "SharedTierBusyError",
     "Stage",
     "StaleLookupError",
     "StateGroup",

@@ -11,6 +11,11 @@ class StaleLookupError(ValueError):
     """`allocate` got a `LookupResult` from an older epoch: look up again (spec §3)."""
 
 
+class SharedTierBusyError(RuntimeError):
+    """A manager touched a tier it shares while another manager's ops on it were not yet taken
+    by that manager's `seal_step()` (kvreuse.core.shared_tier: one step at a time)."""
+
+
 class InvariantError(AssertionError):
     """`check_invariants()` found a violated invariant (spec §14). Always a bug."""
 

@@ -106,10 +106,22 @@ class KVCacheManager(Observed):
             raise UnknownRequestError(f"{op}: unknown request {rid!r}{gone}")
         return st
 
+    def _turn(self) -> None:
+        """Before a call that reads or changes a tier shared with other managers: raise if
+        one's ops on it are pending (kvreuse.core.shared_tier)."""
+        if self.tiers.shared:
+            self.tiers.check_turn()
+
+    def _epoch(self) -> int:
+        """The epoch a lookup carries: the manager's, plus the changes to a tier it shares
+        (another manager's make an older lookup stale too)."""
+        return self.epoch + self.tiers.shared_version() if self.tiers.shared else self.epoch
+
     # ------------------------------------------------------------------ lookup and allocation
     def lookup(self, req_id: str) -> LookupResult:
         """Pure: what an admission now would reuse (spec §7)."""
         st = self._get(req_id, "lookup")
+        self._turn()
         if st.phase is not Phase.WAITING:
             raise ValueError(
                 f"lookup: request {req_id!r} is running; only waiting requests look up"
@@ -124,7 +136,7 @@ class KVCacheManager(Observed):
             len(st.tokens),
             skip_read=st.skip_read,
             pending=pending,
-            epoch=self.epoch,
+            epoch=self._epoch(),
         )
         if self.tiers:
             loads = tier_sources(res)
@@ -136,6 +148,7 @@ class KVCacheManager(Observed):
         self, req_id: str, num_new_tokens: int, lookup: LookupResult | None, num_extra_slots: int
     ) -> RequestState:
         st = self._get(req_id, "allocate")
+        self._turn()
         if lookup is None and num_extra_slots == 0 and plain_growth(st, num_new_tokens):
             return st
         check_allocate(
@@ -143,7 +156,7 @@ class KVCacheManager(Observed):
             num_new_tokens,
             lookup,
             num_extra_slots,
-            self.epoch,
+            self._epoch(),
             in_flight_ends=[r.end for r in self.ledger.records_of(st) if not r.withdrawn],
         )
         return st
@@ -225,6 +238,7 @@ class KVCacheManager(Observed):
         admission needs its lookup); a call that breaks a rule raises, as `allocate` does,
         with the items before it done.
         """
+        self._turn()
         ids = list(request_ids)
         if isinstance(num_new_tokens, int):
             counts: Sequence[int] = [num_new_tokens] * len(ids)
@@ -372,6 +386,7 @@ class KVCacheManager(Observed):
 
     def evict(self, block_id: int) -> None:
         """Test support: evict one block with count 0 now, keeping its queue place (11.3)."""
+        self._turn()
         self.pool.evict(block_id)
         self.epoch += 1
 
@@ -379,7 +394,7 @@ class KVCacheManager(Observed):
         """Positions where the request still wants a recurrent state (spec §9.4): a scheduler
         ends prefill chunks there. A waiting request needs the lookup it will be admitted with."""
         st = self._get(req_id, "save_positions")
-        if lookup is not None and (lookup.epoch != self.epoch or lookup.request_id != req_id):
+        if lookup is not None and (lookup.epoch != self._epoch() or lookup.request_id != req_id):
             raise StaleLookupError(f"save_positions: stale lookup for {req_id!r}; look up again")
         if st.phase is Phase.WAITING:
             if lookup is None:

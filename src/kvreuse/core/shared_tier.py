@@ -16,6 +16,11 @@ Rules that keep it exact:
 * Managers sharing a tier take their steps one at a time: a step's decisions and its engine's
   tier ops complete before another manager decides (a slot pinned for a load is pinned only
   while the load is decided, and a slot number is reused only after its bytes were read).
+  The core holds the rule where it can see it: from a manager's first op on the tier until
+  its `seal_step()` hands the ops out, another manager's lookup, allocation or eviction
+  raises `SharedTierBusyError` (a demote decided there names a slot whose bytes are not yet
+  written); and every change to the tier makes the lookups of every sharing manager made
+  before it stale (`StaleLookupError` at allocate), since a slot they would load may be gone.
   `kvreuse.LLM` runs a step's ops inside `step()`, so LLMs stepped in turn on one thread
   keep the rule; the fleet simulation steps replicas in simulated order and keeps it too.
 * Only managers of one cache layout may share a tier: the same groups, page sizes, DCP size,

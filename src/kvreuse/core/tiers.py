@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
-from kvreuse.core.errors import ConfigError, InvariantError
+from kvreuse.core.errors import ConfigError, InvariantError, SharedTierBusyError
 
 DEVICE_MEDIUM = "GPU"  # what the device pool's events say (vLLM's value)
 
@@ -143,6 +143,8 @@ class Tier:
         self.order: OrderedDict[int, None] = OrderedDict()
         self.pinned: set[int] = set()
         self._free = list(range(spec.num_blocks - 1, -1, -1))  # pop() takes slot 0 first
+        self.version = 0  # counts changes to the slots (a shared tier's readers compare it)
+        self.holder: object | None = None  # a shared tier: the stack whose ops are not taken
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -165,6 +167,7 @@ class Tier:
         (those another slot indexed first stay)."""
         entry = self.slots.pop(slot)
         del self.order[slot]
+        self.version += 1
         idx = self.index[entry.group_id]
         gone: Keys = []
         for bd, key in entry.keys:
@@ -179,6 +182,7 @@ class Tier:
         the slot and the keys it added to the index (one another slot indexes keeps that slot)."""
         slot = self._free.pop()
         self.slots[slot] = entry
+        self.version += 1
         self.order[slot] = None
         idx = self.index[entry.group_id]
         new: Keys = []
@@ -197,6 +201,7 @@ class Tier:
         self.order.clear()
         self.pinned.clear()
         self._free = list(range(self.spec.num_blocks - 1, -1, -1))
+        self.version += 1
 
     def is_full(self) -> bool:
         return not self._free
@@ -235,6 +240,7 @@ class TierStack:
         # per tier, where its index changes go as KV events (TierStored, TierRemoved)
         self.logs: list[TierEvents | None] = [t.log if t.shared else log for t in tiers]
         self.ops: list[TierOp] = []
+        self.shared = [t for t in tiers if t.shared]
         self.num_demoted = 0
         self.num_dropped = 0
         self.num_loaded: list[list[int]] = [[0] * len(kinds) for _ in specs]  # [tier][gid]
@@ -244,8 +250,35 @@ class TierStack:
         return bool(self.tiers)
 
     def take_ops(self) -> list[TierOp]:
+        """The ops decided since the last call; a shared tier they touched is free again."""
         ops, self.ops = self.ops, []
+        for tier in self.shared:
+            if tier.holder is self:
+                tier.holder = None
         return ops
+
+    # ------------------------------------------------------------------ sharing
+    def check_turn(self) -> None:
+        """SharedTierBusyError while another stack's ops on a shared tier are not yet taken."""
+        for tier in self.shared:
+            if tier.holder is not None and tier.holder is not self:
+                raise SharedTierBusyError(
+                    f"shared tier {tier.spec.name!r} has another manager's tier ops not yet "
+                    "taken by its seal_step() and run; managers sharing a tier take their "
+                    "steps one at a time"
+                )
+
+    def shared_version(self) -> int:
+        """Grows with every change to a shared tier, whichever stack made it (a lookup made
+        before a change may name slots that are gone)."""
+        return sum(tier.version for tier in self.shared)
+
+    def _hold(self) -> None:
+        """This stack is about to decide ops: no other may touch its shared tiers until
+        `take_ops`."""
+        self.check_turn()
+        for tier in self.shared:
+            tier.holder = self
 
     def find(self, group_id: int, key: bytes) -> tuple[int, int] | None:
         """(tier, slot) of the highest tier holding `key` in `group_id`, or None."""
@@ -259,6 +292,8 @@ class TierStack:
     def demote(self, victims: Iterable[tuple[int, int, Keys]]) -> None:
         """The pool evicted these keyed blocks (block id, group id, keys): copy each down to
         the first tier that admits its kind, unless a tier already holds its bytes."""
+        if self.shared:
+            self._hold()
         for block_id, gid, keys in victims:
             held = self.find(gid, keys[-1][1])
             if held is not None:
@@ -321,6 +356,8 @@ class TierStack:
     def load(self, t: int, slot: int, block_id: int) -> Keys:
         """Record the copy of a (pinned) slot into a fresh device block; its keys, for the
         pool to publish on that block."""
+        if self.shared:
+            self._hold()
         tier = self.tiers[t]
         entry = tier.slots[slot]
         tier.touch(slot)
