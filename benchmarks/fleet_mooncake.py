@@ -5,14 +5,13 @@ Mooncake (FAST 2025, Figure 10) compares 10 prefill nodes of 3 M tokens of cache
 only their own cache ("local"), with the same nodes reading one pooled store ("global"). This
 script replays its conversation and synthetic traces (converted with `kvreuse workload import
 mooncake`) on 10 simulated replicas of 3 M tokens (attention only, 512-token pages, one hash
-unit per trace block) behind each routing policy, with a shared tier of the fleet's whole
-capacity (30 M tokens) beside them. The tier changes only the hit accounting (a replica
-computes what it would have fetched; see `kvreuse.fleet.simulation.tier`), so one run per
-policy gives both figures: `local` (what the replicas reuse) and `with tier` (what they would
-reuse reading the pool too).
+unit per trace block) behind each routing policy, twice: the replicas alone (`local`), and the
+same replicas sharing one store of the fleet's whole capacity (30 M tokens) that every block is
+written through to as it is computed (`with store`): a replica loads from it what another
+computed, and pays the load in the cost model.
 
 Writes a JSON file of every run's summary, prints a Markdown table (policy × trace: local,
-with tier, their ratio) and draws it (`--plot`, matplotlib):
+with store, their ratio) and draws it (`--plot`, matplotlib):
 
     python benchmarks/fleet_mooncake.py --conversation TRACE.jsonl --synthetic TRACE.jsonl \\
         --json fleet_mooncake.json --plot docs/img/fleet_mooncake.png
@@ -24,11 +23,13 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from fleet_bench import import_trace, node  # this folder: benchmarks/fleet_bench.py
 
+from kvreuse.core import Admission, TierSpec
 from kvreuse.fleet import POLICIES
 from kvreuse.fleet.simulation.run import FleetOptions, simulate_fleet
 
@@ -40,31 +41,37 @@ def run_trace(name: str, path: str, args: argparse.Namespace) -> list[dict[str, 
     if isinstance(workload, str):
         raise SystemExit(f"fleet_mooncake: {name}: {workload}")
     dep = node(args.capacity_tokens)
-    tier = args.tier_tokens or args.replicas * args.capacity_tokens
+    tokens = args.store_tokens or args.replicas * args.capacity_tokens
+    store = TierSpec("store", dep.cache.blocks_for_request(tokens), default=Admission.WRITE_THROUGH)
     out = []
     for policy in args.policy or POLICIES:
-        print(f"{name}: {len(workload):,} requests, {policy} …", file=sys.stderr, flush=True)
-        options = FleetOptions(replicas=args.replicas, policy=policy, shared_tier_tokens=tier)
-        t0 = time.perf_counter()
-        summary, _ = simulate_fleet(dep, workload, options, sink=lambda row: None)
-        summary["trace"], summary["wall_seconds"] = name, round(time.perf_counter() - t0, 1)
-        local, pooled = summary["hit_rate"], summary["shared_tier"]["hit_rate_with_tier"]
-        print(f"  local {local:.1%}, with tier {pooled:.1%}", file=sys.stderr, flush=True)
-        out.append(summary)
+        options = FleetOptions(replicas=args.replicas, policy=policy)
+        for case, d in (("local", dep), ("store", replace(dep, tiers=(store,)))):
+            print(f"{name}: {len(workload):,} requests, {policy}, {case} …", file=sys.stderr)
+            t0 = time.perf_counter()
+            summary, _ = simulate_fleet(d, workload, options, sink=lambda row: None)
+            summary["trace"], summary["case"] = name, case
+            summary["wall_seconds"] = round(time.perf_counter() - t0, 1)
+            print(f"  hit rate {summary['hit_rate']:.1%}", file=sys.stderr, flush=True)
+            out.append(summary)
     return out
+
+
+def pick(runs: list[dict[str, Any]], trace: str, policy: str, case: str) -> dict[str, Any]:
+    return next(r for r in runs if (r["trace"], r["policy"], r["case"]) == (trace, policy, case))
 
 
 def table(runs: list[dict[str, Any]]) -> str:
     traces = list(dict.fromkeys(r["trace"] for r in runs))
     head = "| policy | " + " | ".join(
-        f"{t}: local | {t}: with tier | {t}: ratio (paper {PAPER_RATIO[t]}×)" for t in traces
+        f"{t}: local | {t}: with store | {t}: ratio (paper {PAPER_RATIO[t]}×)" for t in traces
     )
     lines = [head + " |", "|---" * (1 + 3 * len(traces)) + "|"]
     for policy in dict.fromkeys(r["policy"] for r in runs):
         cells = []
         for t in traces:
-            s = next(r for r in runs if r["trace"] == t and r["policy"] == policy)
-            local, pooled = s["hit_rate"], s["shared_tier"]["hit_rate_with_tier"]
+            local = pick(runs, t, policy, "local")["hit_rate"]
+            pooled = pick(runs, t, policy, "store")["hit_rate"]
             cells += [f"{local:.1%}", f"{pooled:.1%}", f"{pooled / local:.2f}×" if local else "—"]
         lines.append(f"| {policy} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -80,11 +87,11 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     policies = list(dict.fromkeys(r["policy"] for r in runs))
     fig, axes = plt.subplots(1, len(traces), figsize=(5.5 * len(traces), 4), squeeze=False)
     for ax, t in zip(axes[0], traces, strict=True):
-        rows = [next(r for r in runs if r["trace"] == t and r["policy"] == p) for p in policies]
         x = range(len(policies))
-        ax.bar([i - 0.2 for i in x], [100 * r["hit_rate"] for r in rows], 0.4, label="local")
-        pooled = [100 * r["shared_tier"]["hit_rate_with_tier"] for r in rows]
-        ax.bar([i + 0.2 for i in x], pooled, 0.4, label="with a 30 M-token shared tier")
+        local = [100 * pick(runs, t, p, "local")["hit_rate"] for p in policies]
+        pooled = [100 * pick(runs, t, p, "store")["hit_rate"] for p in policies]
+        ax.bar([i - 0.2 for i in x], local, 0.4, label="local")
+        ax.bar([i + 0.2 for i in x], pooled, 0.4, label="sharing a 30 M-token store")
         ax.set_xticks(list(x), policies, rotation=20)
         ax.set_ylabel("prompt tokens reused (%)")
         ax.set_title(f"Mooncake {t} trace, 10 × 3 M-token replicas")
@@ -101,7 +108,7 @@ def main() -> int:
     parser.add_argument("--synthetic", help="Mooncake's synthetic_trace.jsonl")
     parser.add_argument("--replicas", type=int, default=10)
     parser.add_argument("--capacity-tokens", type=int, default=3_000_000)
-    parser.add_argument("--tier-tokens", type=int, default=None, help="default: the fleet's")
+    parser.add_argument("--store-tokens", type=int, default=None, help="default: the fleet's")
     parser.add_argument("--policy", action="append", choices=POLICIES, help="default: all")
     parser.add_argument("--json", type=Path, default=None, help="write every run's summary here")
     parser.add_argument("--plot", type=Path, default=None, help="draw the table as a PNG here")

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from harness import Engine
 from kvreuse import CacheConfig, GroupSpec, KVCacheManager, Request
 from kvreuse.core import (
+    Admission,
     ConfigError,
     Demote,
     Load,
@@ -59,9 +60,15 @@ class FleetEngine(Engine):
 
 
 def fleet(
-    cfg: CacheConfig, seed: int, num_replicas: int, store_blocks: int, host_blocks: int | None
+    cfg: CacheConfig,
+    seed: int,
+    num_replicas: int,
+    store_blocks: int,
+    host_blocks: int | None,
+    admission: Admission = Admission.ON_EVICTION,
 ) -> tuple[list[TierDriver], SharedTier, StoreMirror]:
-    store = SharedTier(TierSpec("store", store_blocks), cfg, enable_events=True)
+    spec = TierSpec("store", store_blocks, default=admission)
+    store = SharedTier(spec, cfg, enable_events=True)
     mirror = StoreMirror(cfg.geometry, store.spec.medium)
     slot_bytes: defaultdict[tuple[Any, int, int], set[Any]] = defaultdict(set)
     rng = random.Random(seed)
@@ -82,6 +89,7 @@ def fleet(
     num_replicas=st.integers(2, 3),
     store_blocks=st.sampled_from([1, 4, 12, 40]),
     host_blocks=st.sampled_from([None, None, 2, 8]),
+    admission=st.sampled_from([Admission.ON_EVICTION, Admission.WRITE_THROUGH]),
     rounds=st.integers(1, 40),
 )
 def test_replicas_sharing_a_store_agree_with_the_oracle(
@@ -90,9 +98,10 @@ def test_replicas_sharing_a_store_agree_with_the_oracle(
     num_replicas: int,
     store_blocks: int,
     host_blocks: int | None,
+    admission: Admission,
     rounds: int,
 ) -> None:
-    drivers, store, _ = fleet(cfg, seed, num_replicas, store_blocks, host_blocks)
+    drivers, store, _ = fleet(cfg, seed, num_replicas, store_blocks, host_blocks, admission)
     page = max(g.page_size for g in cfg.geometry.groups)
     max_len = min(3 * page + 5, 120)
     engines = [FleetEngine(d, max_len, drivers) for d in drivers]

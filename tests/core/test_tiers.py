@@ -280,7 +280,9 @@ class TierDriver(Driver):
 
 
 EVENTS = (BlockStored, BlockRemoved, AllBlocksCleared, TierStored, TierRemoved)
-ADMISSIONS = st.sampled_from([Admission.ON_EVICTION, Admission.ON_EVICTION, Admission.NEVER])
+ADMISSIONS = st.sampled_from(
+    [Admission.ON_EVICTION, Admission.ON_EVICTION, Admission.WRITE_THROUGH, Admission.NEVER]
+)
 
 
 @st.composite
@@ -391,7 +393,10 @@ def test_a_full_host_moves_its_oldest_slot_down_to_the_store() -> None:
     [
         (lambda: TierSpec("", 4), "needs a name"),
         (lambda: TierSpec("host", 0), "num_blocks must be an integer ≥ 1"),
-        (lambda: TierSpec("host", 4, {"full": "sometimes"}), "allowed: on_eviction, never"),
+        (
+            lambda: TierSpec("host", 4, {"full": "sometimes"}),
+            "allowed: on_eviction, write_through, never",
+        ),
     ],
 )
 def test_a_bad_tier_is_one_line(make: Any, words: str) -> None:

@@ -1,11 +1,13 @@
 """Replicas sharing one store in a real Redis server: a session started on one replica, its
 blocks evicted to the store, goes on on another replica and reuses its history from the store,
-with the same tokens and logits as a cold run; replicas of another model keep apart."""
+with the same tokens and logits as a cold run; the router that moves it predicts, tier by tier,
+what that replica loads; replicas of another model keep apart."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,8 @@ from kvreuse.deployment import preset
 from kvreuse.engine import LLM, SamplingParams
 from kvreuse.engine.store import RedisBytes, StoreUnavailable
 from kvreuse.engine.tiers import BytesTier, HostTier
+from kvreuse.events import Converter, StoreMirror
+from kvreuse.fleet.routing.router import Router
 
 GEOMETRY = "tiny-hybrid-dcp4"
 POOL = 12
@@ -32,10 +36,12 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield u
 
 
-def replicas(url: str, n: int, seed: int = 0) -> tuple[list[LLM], SharedTier]:
+def replicas(
+    url: str, n: int, seed: int = 0, admission: Admission = Admission.ON_EVICTION
+) -> tuple[list[LLM], SharedTier]:
     """`n` LLMs of one model, each with a host tier of its own that keeps nothing, over one
     store tier in the server."""
-    store = SharedTier(TierSpec("store", 400), preset(GEOMETRY).cache)
+    store = SharedTier(TierSpec("store", 400, default=admission), preset(GEOMETRY).cache)
     out = []
     for _ in range(n):
         host = TierSpec("host", 400, default=Admission.NEVER)
@@ -68,6 +74,64 @@ def test_a_session_moved_to_another_replica_reuses_its_history_from_the_store(ur
     assert tokens == cold_tokens
     assert torch.allclose(logits, cold_logits, atol=1e-4)
     assert run(c, [RNG.randrange(256) for _ in range(40)])[2] == 0  # c shares no prompt yet
+
+
+def test_a_write_through_store_serves_the_next_turn_on_another_replica_at_once(url: str) -> None:
+    """With the store written through, a session's blocks are in the store as soon as they
+    are computed: its next turn on another replica loads the whole history, though the first
+    replica evicted nothing, with the same tokens and logits as a cold run."""
+    (a, b), store = replicas(url, 2, admission=Admission.WRITE_THROUGH)
+    run(a, HISTORY)
+    assert a.mgr.metrics()["kv_blocks_evicted_total"] == 0 and len(store) > 0
+    turn = [*HISTORY, 7, 8, 9]
+    cold_tokens, cold_logits, _ = run(LLM(geometry=GEOMETRY, enable_caching=False), turn)
+    tokens, logits, cached = run(b, turn)
+    assert cached == b.mgr.replay_point(len(HISTORY)) > 0
+    assert b.mgr.tiers.hit_tokens == [0, cached]  # all of it from the store
+    assert tokens == cold_tokens
+    assert torch.allclose(logits, cold_logits, atol=1e-4)
+
+
+def test_the_router_moves_a_session_and_predicts_each_tier_it_loads_from(url: str) -> None:
+    """3 replicas with a small host tier each over one store, followed by a router through
+    their KV events and the store's: with the session's replica busy, the next turn goes to
+    another one, and the router's predicted hit, host tokens and store tokens are what that
+    replica delivers, with the tokens of a cold run."""
+    dep = preset(GEOMETRY)
+    dep = replace(dep, cache=replace(dep.cache, enable_events=True))
+    store = SharedTier(TierSpec("store", 400), dep.cache, enable_events=True)
+    llms = []
+    for _ in range(3):
+        tiers = [
+            (TierSpec("host", 2, medium="CPU"), HostTier()),  # it keeps the floods' last blocks
+            (store, BytesTier(RedisBytes(url))),
+        ]
+        llms.append(LLM(geometry=dep, num_blocks=POOL, tiers=tiers))
+    router = Router(dep.cache, "exact")
+    store_mirror = StoreMirror(dep.cache.geometry, "STORE")
+    for i in range(3):
+        router.add_replica(f"r{i}", tiers=["CPU", "STORE"], shared=[store_mirror])
+
+    def publish() -> None:
+        for i, llm in enumerate(llms):
+            router.apply(i, Converter(llm.mgr.geo).convert(llm.mgr.take_events()))
+        store_mirror.apply(Converter(dep.cache.geometry).convert(store.take_events()))
+
+    run(llms[0], HISTORY)
+    for flood in FLOODS:  # the session's pages and states go down to the store
+        run(llms[0], flood)
+    publish()
+    turn = [*HISTORY, 7, 8, 9]
+    router.set_load(0, 10**7, 50)  # r0 is busy: the turn moves
+    decision = router.route(router.query(turn, request_id="turn-2"))
+    assert decision.index != 0
+    cold_tokens, _, _ = run(LLM(geometry=GEOMETRY, enable_caching=False), turn)
+    llm = llms[decision.index]
+    tokens, _, cached = run(llm, turn)
+    delivered = llm.mgr.request_stats("llm-0").tier_tokens  # its first request
+    assert tokens == cold_tokens
+    assert cached > 0 and decision.predicted_cached == cached
+    assert delivered == (0, cached) and decision.predicted_tiers == delivered  # all from the store
 
 
 def test_replicas_of_another_model_never_read_the_stores_bytes(url: str) -> None:

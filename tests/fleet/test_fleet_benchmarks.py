@@ -51,11 +51,14 @@ def test_fleet_mooncake_tabulates_and_plots_local_against_pooled(tmp_path: Path)
     cmd += ["--policy", "round-robin", "--policy", "exact"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
     table = proc.stdout.splitlines()
-    assert table[0].startswith("| policy | synthetic: local | synthetic: with tier")
+    assert table[0].startswith("| policy | synthetic: local | synthetic: with store")
     assert [row.split(" | ")[0] for row in table[2:]] == ["| round-robin", "| exact"]
     runs = json.loads(out.read_text())
-    rr, exact = runs
-    assert rr["shared_tier"]["hit_rate_with_tier"] > rr["hit_rate"]  # others computed it
+    rr, rr_store, exact, _ = runs
+    cases = [(r["policy"], r["case"]) for r in runs[:2]]
+    assert cases == [("round-robin", "local"), ("round-robin", "store")]
+    assert rr_store["hit_rate"] > rr["hit_rate"]  # it loads what other replicas computed
+    assert rr_store["tiers"]["store"]["hit_tokens"] > 0
     assert exact["hit_rate"] > rr["hit_rate"]
     assert all(r["reconciled"] for r in runs)
     assert plot.stat().st_size > 10_000

@@ -63,10 +63,10 @@ def test_without_fleet_options_the_single_simulator_runs(workload: Path, tmp_pat
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--policy", "exact"], "--policy and --shared-tier-capacity need --replicas N"),
+        (["--policy", "exact"], "--policy needs --replicas N"),
         (
             ["--replicas", "2", "--shared-tier-capacity", "1000"],
-            "--shared-tier-capacity models a pool of attention KV",
+            "--shared-tier-capacity is gone: --store-capacity TOKENS gives the replicas one store",
         ),
         (["--replicas", "2", "--num-blocks", "3"], "exceed a replica's cache"),
     ],

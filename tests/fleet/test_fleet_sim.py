@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from kvreuse.core import TierSpec
 from kvreuse.deployment import Deployment, preset
 from kvreuse.fleet import POLICIES
 from kvreuse.fleet.simulation.run import FleetOptions, simulate_fleet
@@ -89,34 +90,36 @@ def test_exact_keeps_every_conversation_on_the_replica_holding_it() -> None:
     assert p["over_predicted"] == 0 and p["mismatched_without_eviction"] == 0
 
 
-def test_the_shared_tier_counts_what_another_replica_computed() -> None:
-    """Round-robin sends a resend to the other replica: locally a miss, from the tier the
-    whole prefix; a tier too small to hold the document gives nothing."""
-    dep = preset("attention-16")
+def test_a_resend_on_another_replica_loads_what_the_first_demoted_to_the_store() -> None:
+    """Round-robin over 2 replicas: a document on r0, floods that evict it from r0's pool,
+    then its resend, on r1: without a store a miss; with one the replicas share, the whole
+    prefix loaded from the store; a smaller store, what it kept of the document's head."""
     doc = rand(5, 640)
     workload = load(
         [
             {"id": "a", "prompt": doc, "max_tokens": 2},
-            {"id": "b", "prompt": doc, "max_tokens": 2, "after": "a"},
+            {"id": "f1", "prompt": rand(6, 640), "max_tokens": 2, "after": "a"},
+            {"id": "f2", "prompt": rand(7, 656), "max_tokens": 2, "after": "f1"},
+            {"id": "b", "prompt": doc, "max_tokens": 2, "after": "f2"},
         ]
     )
-    summary, rows = run(dep, workload, replicas=2, policy="round-robin", shared_tier_tokens=10_000)
-    assert [r["cached_tokens"] for r in rows] == [0, 0]
-    assert [r["tier_tokens"] for r in rows] == [0, 624]
-    tier = summary["shared_tier"]
-    assert tier["tier_tokens"] == 624 and tier["hit_rate_with_tier"] == 624 / 1280
-    small, rows = run(dep, workload, replicas=2, policy="round-robin", shared_tier_tokens=64)
-    assert [r["tier_tokens"] for r in rows] == [0, 0]  # its first units were evicted
-    assert small["shared_tier"]["units_evicted"] > 0
+    dep = preset("attention-16")
+    dep = replace(dep, cache=replace(dep.cache, num_blocks=43))  # f2 evicts all the document
 
+    def resend(store_blocks: int | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        tiers = () if store_blocks is None else (TierSpec("store", store_blocks),)
+        summary, rows = run(replace(dep, tiers=tiers), workload, replicas=2, policy="round-robin")
+        assert summary["reconciled"], summary["reconciliation"]
+        assert [r["replica"] for r in rows] == ["r0", "r1", "r0", "r1"]
+        return summary, rows
 
-def test_the_shared_tier_is_refused_on_a_hybrid() -> None:
-    with pytest.raises(ValueError, match="only prefix-cacheable group is full attention"):
-        simulate_fleet(
-            preset("hybrid-dcp4"),
-            load([{"id": "a", "prompt": rand(1, 10), "max_tokens": 1}]),
-            FleetOptions(replicas=2, shared_tier_tokens=1000),
-        )
+    assert resend(None)[1][3]["cached_tokens"] == 0
+    summary, rows = resend(100)
+    assert rows[3]["cached_tokens"] == 624  # 39 pages of 16; the last token is computed
+    assert summary["tiers"]["store"]["hit_tokens"] == 624
+    assert summary["per_replica"][1]["cached_tokens"] == 624
+    # a pool evicts a chain from its tail: a store of 8 keeps the last 8 demoted, its head
+    assert resend(8)[1][3]["cached_tokens"] == 8 * 16
 
 
 def test_fleet_options_are_checked() -> None:

@@ -1,6 +1,8 @@
-"""A fleet whose replicas have tiers below their pools: the router's mirror tracks every tier,
-`exact` predicts the hit and the tier it comes from exactly, prices a load between a device hit
-and a recompute, and scoring the tiers keeps sessions where their evicted history is."""
+"""A fleet whose replicas have tiers below their pools, a host tier each and one store they
+share: the router's mirror tracks every tier, `exact` predicts the hit and the tier it comes
+from exactly, prices a load between a device hit and a recompute, scoring the tiers keeps
+sessions where their evicted history is, and a session moved to another replica loads its
+history from the store."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from kvreuse.sim.generators import agent, shared_prefix
 from kvreuse.sim.run import simulate
 from kvreuse.sim.workload import WorkloadRequest, parse_line
 
-TIERS = (TierSpec("host", 24, medium="CPU"), TierSpec("store", 48))
+TIERS = (TierSpec("host", 24, medium="CPU"), TierSpec("store", 144))  # one store: the fleet's
 
 
 def load(lines: list[dict[str, Any]]) -> list[WorkloadRequest]:
@@ -88,6 +90,41 @@ def test_the_router_predicts_each_tier_exactly(name: str, num_blocks: int) -> No
         assert row["predicted_tokens"] == row["cached_tokens"], row
     assert tiers["host"]["predicted_hit_tokens"] == tiers["host"]["delivered_hit_tokens"]
     assert tiers["split_mismatched_without_eviction"] == 0
+
+
+def test_a_session_moved_to_another_replica_loads_its_history_from_the_store() -> None:
+    """Round-robin moves every turn of 8 sessions to another of 3 replicas, whose small pools
+    keep nothing between turns: without a store no moved turn reuses anything; with one they
+    share, the moved turns load the session's history from it (what another replica demoted),
+    and the store's mirror equals the store."""
+    lines = agent(8, 5, 150, 80, 8, seed=2)
+    lines.sort(key=lambda line: (int(line["id"].split("-t")[1]), line["id"]))
+    for i, line in enumerate(lines):
+        line["arrival"] = i * 100.0
+    workload = load(lines)
+
+    def moved_hits(tiers: tuple[TierSpec, ...]) -> tuple[dict[str, Any], list[int]]:
+        summary, rows = run(
+            tiered("tiny-hybrid-dcp4", 16, tiers), workload, replicas=3, policy="round-robin"
+        )
+        assert summary["reconciled"], summary["reconciliation"]
+        last: dict[str, str] = {}
+        hits = []
+        for row in rows:
+            session = row["id"].split("-t")[0]
+            if last.get(session, row["replica"]) != row["replica"]:
+                hits.append(row["cached_tokens"])
+            last[session] = row["replica"]
+        return summary, hits
+
+    _, alone = moved_hits(())
+    summary, shared = moved_hits((TierSpec("store", 200),))
+    assert len(alone) == len(shared) == 32  # every turn after the first moved
+    assert not any(alone)
+    assert sum(h > 0 for h in shared) >= 20
+    store = summary["tiers"]["store"]
+    assert store["shared"] and store["hit_tokens"] == sum(shared) > 0
+    assert any(k.endswith("_mirror_tiers_equal_replica") for k in summary["reconciliation"])
 
 
 def test_device_only_routing_ignores_the_tiers() -> None:

@@ -78,12 +78,13 @@ def test_every_simulate_size_option_takes_suffixes(
         assert _run([*base, "--out", str(b), flag, long], capsys)[0] == 0
         assert _summary(a)["capacity_tokens"] == _summary(b)["capacity_tokens"]
     code, err = _run(
-        [*base, "--out", str(tmp_path / "t"), "--replicas", "2", "--shared-tier-capacity", "1M"],
+        [*base, "--out", str(tmp_path / "t"), "--replicas", "2", "--store-capacity", "1M"],
         capsys,
     )
     assert code == 0, err
     fleet = json.loads((tmp_path / "t" / "fleet.json").read_text())
-    assert fleet["runs"][0]["shared_tier"]["capacity_tokens"] == 1_000_000
+    store = fleet["runs"][0]["tiers"]["store"]
+    assert store["shared"] and store["capacity_blocks"] == -(-1_000_000 // 16)
 
 
 def test_capacity_inf_is_a_pool_that_never_evicts(

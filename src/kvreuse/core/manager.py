@@ -43,12 +43,12 @@ from kvreuse.core.pool import BlockPool
 from kvreuse.core.request import Deferral, Phase, Request, RequestState, new_request_state
 from kvreuse.core.rules import check_allocate, plain_growth
 from kvreuse.core.savepoints import planned_positions, save_positions
-from kvreuse.core.shared_tier import SharedTier
+from kvreuse.core.shared_tier import SharedTier, TierTurns
 from kvreuse.core.tier_lookup import NO_TIER_TOKENS, TierLoads, TierView, device_hits, tier_sources
 from kvreuse.core.tiers import TierSpec, TierStack
 
 
-class KVCacheManager(Observed):
+class KVCacheManager(Observed, TierTurns):
     """Prefix-cache manager over one block pool shared by every group (spec §3).
 
     It owns the registered requests and the epoch, and delegates: blocks and keys to the
@@ -86,6 +86,8 @@ class KVCacheManager(Observed):
         self._view = TierView(self.pool, self.tiers) if tiers else self.pool
         if tiers:
             self.pool.on_evict = self.tiers.demote
+        if self.tiers.writes_through:
+            self.pool.on_publish = self.tiers.write_through
         self.loads = TierLoads(self.pool, self.tiers)
 
     # ------------------------------------------------------------------ requests
@@ -105,17 +107,6 @@ class KVCacheManager(Observed):
             gone = " (it has finished)" if rid in self._finished else ""
             raise UnknownRequestError(f"{op}: unknown request {rid!r}{gone}")
         return st
-
-    def _turn(self) -> None:
-        """Before a call that reads or changes a tier shared with other managers: raise if
-        one's ops on it are pending (kvreuse.core.shared_tier)."""
-        if self.tiers.shared:
-            self.tiers.check_turn()
-
-    def _epoch(self) -> int:
-        """The epoch a lookup carries: the manager's, plus the changes to a tier it shares
-        (another manager's make an older lookup stale too)."""
-        return self.epoch + self.tiers.shared_version() if self.tiers.shared else self.epoch
 
     # ------------------------------------------------------------------ lookup and allocation
     def lookup(self, req_id: str) -> LookupResult:
@@ -284,9 +275,12 @@ class KVCacheManager(Observed):
         """The step's forward finished: publish what it computed (spec §10).
 
         `outcomes` maps each live request of the step to its `Outcome` (or the spec's tuple).
+        A tier that writes through copies what is published: those ops go with the next
+        sealed step, or to `take_tier_ops()`.
         """
         if not self.ledger.check(step_id, "commit"):
             return
+        self._publishing()
         self._commit(step_id, settle_outcomes(self.ledger.sealed(step_id), outcomes))
 
     def commit_batch(self, step_id: int, outcomes: Sequence[Any]) -> None:
@@ -295,6 +289,7 @@ class KVCacheManager(Observed):
         ignored, as in `commit`). An engine that runs the plans in order returns this as is."""
         if not self.ledger.check(step_id, "commit"):
             return
+        self._publishing()
         self._commit(step_id, settle_in_order(self.ledger.sealed(step_id), outcomes))
 
     def _commit(self, step_id: int, parsed: list[tuple[PlanRecord, Checked]]) -> None:
@@ -349,6 +344,7 @@ class KVCacheManager(Observed):
     def finish(self, req_id: str) -> RequestStats:
         """Normal end or abort (spec §11.5); returns the request's final statistics."""
         st = self._get(req_id, "finish")
+        self._publishing()  # a hybrid's finish state is published
         if st.inflight:
             if st.deferred is not Deferral.FINISH:  # a repeated finish changes nothing
                 self.ledger.defer(st, Deferral.FINISH)
@@ -367,6 +363,7 @@ class KVCacheManager(Observed):
         st = self._get(req_id, "preempt")
         if st.phase is not Phase.RUNNING:
             raise ValueError(f"preempt: request {req_id!r} is not running")
+        self._publishing()
         if st.inflight:
             if st.deferred is None:
                 self.ledger.defer(st, Deferral.PREEMPT)

@@ -76,6 +76,11 @@ class BlockPool:
         self.on_evict: Callable[[list[tuple[int, int, list[tuple[int, bytes]]]]], None] | None = (
             None
         )
+        # Called the same way with the blocks a publication keyed, after their BlockStored
+        # events: a tier that writes their kind through copies them (kvreuse.core.tiers).
+        self.on_publish: Callable[[list[tuple[int, int, list[tuple[int, bytes]]]]], None] | None = (
+            None
+        )
         self.policy: EvictionPolicy = policy_factory(cfg.eviction_policy)(self)
         self._pop_many = pop_many_of(self.policy)
         # PoolView.release_seq costs 8 bytes a block: kept only for a policy that reads it (a
@@ -156,6 +161,10 @@ class BlockPool:
             stored = self.events.stored
             for run in stored_runs(done, self._unit, self._state_page[group_id]):
                 stored(source, group_id, run)
+        if done and self.on_publish is not None:
+            at = dict(zip(boundaries, blocks, strict=True))
+            keyed = dict.fromkeys(at[b] for b in done)
+            self.on_publish([(blk, group_id, self.key_list(blk)) for blk in keyed])
         return done
 
     def _publish_each(

@@ -43,7 +43,7 @@ from dataclasses import astuple
 from kvreuse.core.config import CacheConfig
 from kvreuse.core.errors import ConfigError
 from kvreuse.core.events import Event, EventLog
-from kvreuse.core.tiers import Tier, TierSpec
+from kvreuse.core.tiers import Tier, TierOp, TierSpec, TierStack
 
 
 def layout_of(config: CacheConfig) -> tuple[object, ...]:
@@ -96,3 +96,34 @@ class SharedTier(Tier):
     def take_events(self) -> list[Event]:
         """The tier's index changes since the last call, in the order they happened."""
         return self.events.take(self.config.geometry)
+
+
+class TierTurns:
+    """The facade's side of the sharing rule (a mixin of kvreuse.core.manager): whose turn it
+    is, how old a lookup is, and the ops an engine takes between steps."""
+
+    tiers: TierStack
+    epoch: int
+
+    def _turn(self) -> None:
+        """Before a call that reads or changes a tier shared with other managers: raise if
+        one's ops on it are pending (kvreuse.core.shared_tier)."""
+        if self.tiers.shared:
+            self.tiers.check_turn()
+
+    def _publishing(self) -> None:
+        """Before a call that may publish (commit, finish, preempt): with a tier that writes
+        through, publishing changes the tier, so it is a turn of its own too."""
+        if self.tiers.writes_through:
+            self._turn()
+
+    def _epoch(self) -> int:
+        """The epoch a lookup carries: the manager's, plus the changes to a tier it shares
+        (another manager's make an older lookup stale too)."""
+        return self.epoch + self.tiers.shared_version() if self.tiers.shared else self.epoch
+
+    def take_tier_ops(self) -> list[TierOp]:
+        """The tier ops decided since the last `seal_step()` (the write-through copies of what
+        a commit or a finish published), for an engine that runs them now instead of before
+        the next step; a shared tier they held is free for the other managers again."""
+        return self.tiers.take_ops() if self.tiers else []

@@ -18,110 +18,52 @@ while the bytes it reads were still where it says (a block is overwritten only b
 which comes after), so the order alone keeps them exact.
 
 What a tier admits is its `Admission`, per group kind: `ON_EVICTION` (the default: a keyed
-block the pool evicts is copied down) or `NEVER` (the kind's blocks are dropped, as without
-tiers). A tier's own eviction moves a slot to the next tier that admits its kind, or drops it.
+block the pool evicts is copied down), `WRITE_THROUGH` (a block is copied here as soon as it
+is published, and stays on the device: a store several replicas share then holds a prefix's
+first pages too, which a pool evicts last) or `NEVER` (the kind's blocks are dropped, as
+without tiers). A tier's own eviction moves a slot to the next tier that admits its kind, or
+drops it.
+
+A write-through copy is decided when a commit publishes the block, after the forward that
+wrote it: its op goes with the next sealed step (before that step's forward, which is the
+first that could overwrite the block), or to an engine that takes it at once
+(the manager's `take_tier_ops`). A page published a unit at a time (a large DCP page) is
+copied again into the same slot each time it gains keys: the slot's older keys name a prefix
+of the same bytes.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import Protocol
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from kvreuse.core.errors import ConfigError, InvariantError, SharedTierBusyError
+from kvreuse.core.tier_spec import (
+    DEVICE_MEDIUM,
+    Admission,
+    Demote,
+    Keys,
+    Load,
+    Move,
+    TierEvents,
+    TierOp,
+    TierSpec,
+)
 
-DEVICE_MEDIUM = "GPU"  # what the device pool's events say (vLLM's value)
-
-
-class Admission(StrEnum):
-    ON_EVICTION = "on_eviction"  # a keyed block the level above evicts is copied here
-    NEVER = "never"  # the kind's blocks skip this tier
-
-
-@dataclass(frozen=True, slots=True)
-class TierSpec:
-    """One tier: a name (metrics and reports show it), its capacity in blocks of the pool's
-    size, what it admits per group kind (kinds not named take `default`), and the `medium` its
-    KV events name (vLLM's field; the name in capitals unless given: vLLM's own offloading
-    connector says "CPU" for host memory, the device is "GPU")."""
-
-    name: str
-    num_blocks: int
-    admission: Mapping[str, Admission] = field(default_factory=dict)
-    default: Admission = Admission.ON_EVICTION
-    medium: str = ""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ConfigError(
-                f"a tier needs a name (got {self.name!r}); e.g. TierSpec('host', 4096)"
-            )
-        n = self.num_blocks
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ConfigError(f"tier {self.name!r}: num_blocks must be an integer ≥ 1 (got {n!r})")
-        for kind, rule in self.admission.items():
-            if not isinstance(rule, Admission):
-                allowed = ", ".join(a.value for a in Admission)
-                raise ConfigError(
-                    f"tier {self.name!r}: admission of {kind!r} is {rule!r}; allowed: {allowed}"
-                )
-        if not self.medium:
-            object.__setattr__(self, "medium", self.name.upper())
-        if not isinstance(self.medium, str) or self.medium.upper() == DEVICE_MEDIUM:
-            raise ConfigError(
-                f"tier {self.name!r}: medium {self.medium!r} is not allowed: {DEVICE_MEDIUM!r} "
-                "names the device pool itself; e.g. 'CPU' for host memory"
-            )
-
-    def admits(self, kind: str) -> bool:
-        return self.admission.get(kind, self.default) is not Admission.NEVER
-
-
-# ------------------------------------------------------------------------------ the ops
-@dataclass(frozen=True, slots=True)
-class Demote:
-    """Copy device block `block_id` (group `group_id`) into slot `slot` of tier `tier`."""
-
-    tier: int
-    slot: int
-    group_id: int
-    block_id: int
-
-
-@dataclass(frozen=True, slots=True)
-class Move:
-    """Copy slot `src_slot` of tier `src_tier` into slot `dst_slot` of tier `dst_tier`."""
-
-    src_tier: int
-    src_slot: int
-    dst_tier: int
-    dst_slot: int
-
-
-@dataclass(frozen=True, slots=True)
-class Load:
-    """Copy slot `slot` of tier `tier` into device block `block_id` (group `group_id`)."""
-
-    tier: int
-    slot: int
-    group_id: int
-    block_id: int
-
-
-TierOp = Demote | Move | Load
-Keys = list[tuple[int, bytes]]  # (boundary, key), ascending: the keys one block carries
-
-
-class TierEvents(Protocol):
-    """Where a tier's index changes go (the manager's `EventLog`)."""
-
-    enabled: bool
-
-    def tier_stored(self, tier: int, medium: str, group_id: int, keys: Keys) -> None: ...
-
-    def tier_removed(self, tier: int, medium: str, group_id: int, keys: Keys) -> None: ...
+__all__ = [
+    "DEVICE_MEDIUM",
+    "Admission",
+    "Demote",
+    "Keys",
+    "Load",
+    "Move",
+    "Tier",
+    "TierEvents",
+    "TierOp",
+    "TierSpec",
+    "TierStack",
+]
 
 
 @dataclass(slots=True)
@@ -192,6 +134,21 @@ class Tier:
                 new.append((bd, key))
         return slot, new
 
+    def extend(self, slot: int, keys: Keys) -> Keys:
+        """Slot `slot` now holds a later copy of the same page, carrying `keys` (its old keys
+        and more); returns the keys this added to the index. It becomes the most recent."""
+        entry = self.slots[slot]
+        entry.keys = list(keys)
+        self.version += 1
+        self.order.move_to_end(slot)
+        idx = self.index[entry.group_id]
+        new: Keys = []
+        for bd, key in keys:
+            if key not in idx:
+                idx[key] = slot
+                new.append((bd, key))
+        return new
+
     def clear(self) -> None:
         """Forget every slot, in place: views over the index (kvreuse.core.tier_lookup) stay
         bound to it."""
@@ -241,6 +198,7 @@ class TierStack:
         self.logs: list[TierEvents | None] = [t.log if t.shared else log for t in tiers]
         self.ops: list[TierOp] = []
         self.shared = [t for t in tiers if t.shared]
+        self.writes_through = any(t.spec.any_write_through() for t in tiers)
         self.num_demoted = 0
         self.num_dropped = 0
         self.num_loaded: list[list[int]] = [[0] * len(kinds) for _ in specs]  # [tier][gid]
@@ -295,18 +253,48 @@ class TierStack:
         if self.shared:
             self._hold()
         for block_id, gid, keys in victims:
+            kind, above = self.kinds[gid], len(self.tiers)
             held = self.find(gid, keys[-1][1])
             if held is not None:
                 self.tiers[held[0]].touch(held[1])  # the same bytes are there already
-                continue
-            for t, tier in enumerate(self.tiers):
-                if tier.spec.admits(self.kinds[gid]) and self._make_room(t):
+                if not self.tiers[held[0]].spec.writes_through(kind):
+                    continue
+                above = held[0]  # a write-through copy: a faster tier may still take it
+            for t in range(above):
+                if self.tiers[t].spec.admits(kind) and self._make_room(t):
                     slot = self._place(t, Slot(gid, keys))
                     self.ops.append(Demote(t, slot, gid, block_id))
                     self.num_demoted += 1
                     break
             else:
-                self.num_dropped += 1
+                self.num_dropped += held is None
+
+    # ------------------------------------------------------------------ publication
+    def write_through(self, published: Iterable[tuple[int, int, Keys]]) -> None:
+        """A commit published these blocks (block id, group id, every key the block now
+        carries): copy each into every tier that writes its kind through, unless the tier holds
+        its highest key already. A slot holding a copy of the same page with fewer keys (a
+        page that gained units) is copied over in place."""
+        for block_id, gid, keys in published:
+            kind = self.kinds[gid]
+            for t, tier in enumerate(self.tiers):
+                if not tier.spec.writes_through(kind):
+                    continue
+                if self.shared:
+                    self._hold()
+                top = tier.find(gid, keys[-1][1])
+                if top is not None:
+                    tier.touch(top)
+                    continue
+                older = tier.find(gid, keys[0][1])
+                if older is not None and _prefix(tier.slots[older].keys, keys):
+                    self._log_stored(t, gid, tier.extend(older, keys))
+                    self.ops.append(Demote(t, older, gid, block_id))
+                elif self._make_room(t):
+                    self.ops.append(Demote(t, self._place(t, Slot(gid, keys)), gid, block_id))
+                else:
+                    continue
+                self.num_demoted += 1
 
     def _make_room(self, t: int) -> bool:
         """Free one slot of tier `t`, moving its LRU slot down (or dropping it); False when
@@ -333,10 +321,13 @@ class TierStack:
 
     def _place(self, t: int, entry: Slot) -> int:
         slot, new = self.tiers[t].place(Slot(entry.group_id, list(entry.keys)))
+        self._log_stored(t, entry.group_id, new)
+        return slot
+
+    def _log_stored(self, t: int, gid: int, new: Keys) -> None:
         log = self.logs[t]
         if new and log is not None and log.enabled:
-            log.tier_stored(t, self.tiers[t].spec.medium, entry.group_id, new)
-        return slot
+            log.tier_stored(t, self.tiers[t].spec.medium, gid, new)
 
     def _take(self, t: int, slot: int) -> None:
         entry, gone = self.tiers[t].take(slot)
@@ -387,3 +378,8 @@ class TierStack:
     def audit(self) -> None:
         for t, tier in enumerate(self.tiers):
             tier.audit(f"tier {t} ({tier.spec.name})")
+
+
+def _prefix(short: Keys, long: Keys) -> bool:
+    """Whether `short`'s keys are the first of `long`'s (a copy of the page with fewer units)."""
+    return len(short) < len(long) and long[: len(short)] == short

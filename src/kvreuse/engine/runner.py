@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kvreuse.core import CacheConfig, RequestPlan, StepPlan
+from kvreuse.core import CacheConfig, RequestPlan, StepPlan, TierOp
 from kvreuse.engine.model import Model
 from kvreuse.engine.paged import PagedCache, PagedContext
 from kvreuse.engine.sampling import GREEDY, SamplingParams, sample
@@ -89,6 +89,10 @@ class ModelRunner:
         self.num_accepted = 0
         self._gens: dict[str, torch.Generator] = {}
         self._drafts: dict[str, _DraftState] = {}
+
+    def run_tier_ops(self, ops: Sequence[TierOp]) -> None:
+        """Tier ops decided between steps (a commit's write-through copies), in order."""
+        run_tier_ops(ops, self.tiers, self.cache)
 
     def __call__(self, step: StepPlan, seqs: Mapping[str, Any]) -> list[tuple[Any, ...]]:
         """Run the step; one outcome per plan, in the step's order (what `commit_batch` takes)."""

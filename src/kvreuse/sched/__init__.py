@@ -2,6 +2,7 @@
 simulation and tests."""
 
 from kvreuse.sched.advance import FastForward
+from kvreuse.sched.config import SchedulerConfig
 from kvreuse.sched.engine import (
     ContentTokens,
     DecodeScript,
@@ -12,7 +13,7 @@ from kvreuse.sched.engine import (
     TokenSource,
     token_at,
 )
-from kvreuse.sched.scheduler import Engine, Scheduler, SchedulerConfig, Seq, StepStats
+from kvreuse.sched.scheduler import Engine, Scheduler, Seq, StepStats
 
 __all__ = [
     "ContentTokens",

@@ -12,6 +12,8 @@ allocate_many, which grows every decoding request of a step in one call), next_s
 seal_step, commit_batch (or commit), finish, preempt. The engine is any callable that turns a
 `StepPlan` into the core's outcomes: `kvreuse.engine.ModelRunner` runs a model, and
 `ScriptedEngine` (in `kvreuse.sched.engine`) emits deterministic tokens for simulation and tests.
+An engine with a `run_tier_ops(ops)` method is also handed, as the step ends, the tier ops its
+commit and finishes decided (a write-through tier's copies).
 """
 
 from __future__ import annotations
@@ -22,41 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvreuse.core import KVCacheManager, Request, RequestStats, StepPlan
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    """Scheduling knobs. `num_spec_tokens` > 0 verifies that many drafts per decode step."""
-
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    num_spec_tokens: int = 0
-    chunk_at_save_positions: bool = True  # end prefill chunks at the core's save positions
-    defer_shared_prefix: bool = True  # wait for a prefix another request is computing
-    max_defer_steps: int = 8
-
-    def __post_init__(self) -> None:
-        for name, minimum in (
-            ("max_num_seqs", 1),
-            ("max_num_batched_tokens", 1),
-            ("num_spec_tokens", 0),
-            ("max_defer_steps", 0),
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name} must be an int, got {value!r}")
-            if not minimum <= value < 2**63:
-                raise ValueError(f"{name} must be in [{minimum}, 2**63), got {value}")
-        for name in ("chunk_at_save_positions", "defer_shared_prefix"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if 1 + self.num_spec_tokens > self.max_num_batched_tokens:
-            # a decode step (one token plus its drafts) would never fit a step's budget
-            raise ValueError(
-                f"a decode step needs 1 + num_spec_tokens = {1 + self.num_spec_tokens} tokens, "
-                f"more than max_num_batched_tokens = {self.max_num_batched_tokens}; lower "
-                "num_spec_tokens or raise max_num_batched_tokens"
-            )
+from kvreuse.sched.config import SchedulerConfig
 
 
 @dataclass(eq=False, slots=True)
@@ -197,11 +165,29 @@ class Scheduler:
             else:
                 self.mgr.commit_batch(step.step_id, outcomes)
             self._apply(step, outcomes, stats)
+        elif step.tier_ops:  # nothing to compute, but copies decided since the last step
+            self._run_tier_ops(step)
         self._finish_done(stats)
+        if self.mgr.tiers.writes_through:
+            self._run_tier_ops()
         self.num_steps += 1
         return stats
 
     # ------------------------------------------------------------------ parts of a step
+    def _run_tier_ops(self, step: StepPlan | None = None) -> None:
+        """Tier ops outside a forward: a plan's with no request (`step`), or the write-through
+        copies of what this step's commit and finishes published, so that a tier shared with
+        other replicas is free when the step ends. An engine without `run_tier_ops` gets a
+        plan's as a step, and the copies with the next step's plan."""
+        run = getattr(self.engine, "run_tier_ops", None)
+        if run is None:
+            if step is not None:
+                self.engine(step, self.seqs)
+            return
+        ops = step.tier_ops if step is not None else self.mgr.take_tier_ops()
+        if ops:
+            run(ops)
+
     def _grow_running(self, stats: StepStats, budget: int) -> int:
         """Decode first (latency), then prefill chunks; preempt the newest on OOM."""
         decoders: list[Seq] = []

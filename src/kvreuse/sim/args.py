@@ -160,6 +160,9 @@ def plural(count: int, noun: str, many: str | None = None) -> str:
     return f"{count:,} {noun if count == 1 else many or noun + 's'}"
 
 
+STORE_ADMISSIONS = ("on-eviction", "write-through")  # Admission values, as options spell them
+
+
 def add_tier_options(p: Any, where: str) -> None:
     """`--host-capacity N` and `--store-capacity N`: memory tiers below `where` (docs/tiers.md),
     each with room for the blocks one request of N tokens needs."""
@@ -172,3 +175,11 @@ def add_tier_options(p: Any, where: str) -> None:
             help=f"{what} below {where}, with room for the blocks one request of N tokens "
             "needs (30M); evicted blocks go there and hits load them back",
         )
+    p.add_argument(
+        "--store-admission",
+        choices=STORE_ADMISSIONS,
+        default="on-eviction",
+        help="what enters the store: blocks evicted from above (on-eviction), or every block "
+        "as soon as it is computed (write-through: replicas sharing the store then find a "
+        "prefix another replica still holds)",
+    )

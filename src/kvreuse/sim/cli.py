@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvreuse.core import ConfigError, TierSpec
+from kvreuse.core import Admission, ConfigError, TierSpec
 from kvreuse.deployment import (
     PRESETS,
     Deployment,
@@ -144,15 +144,29 @@ def read_inputs(args: argparse.Namespace) -> tuple[Deployment, list[WorkloadRequ
         geo = with_pool(geo, never_evicting_blocks(geo, workload), None)
         return geo, workload
     geo = with_pool(geo, args.num_blocks, args.capacity_tokens)
-    return with_tiers(geo, args.host_capacity, args.store_capacity), workload
+    tiers = args.host_capacity, args.store_capacity, args.store_admission
+    return with_tiers(geo, *tiers), workload
 
 
-def with_tiers(geo: Deployment, host_tokens: int | None, store_tokens: int | None) -> Deployment:
+HOST_TIER, STORE_TIER = "host", "store"  # a fleet's replicas share the store (docs/tiers.md)
+
+
+def with_tiers(
+    geo: Deployment,
+    host_tokens: int | None,
+    store_tokens: int | None,
+    store_admission: str = "on-eviction",
+) -> Deployment:
     """`geo` with a host and/or store tier, each sized in blocks as a pool of that many
-    tokens would be (the null block aside); the host's KV events say "CPU", as vLLM's."""
+    tokens would be (the null block aside); the host's KV events say "CPU", as vLLM's. The
+    store admits every kind by `store_admission` (`--store-admission`)."""
+    rule = Admission(store_admission.replace("-", "_"))
     tiers = [
-        TierSpec(name, geo.cache.blocks_for_request(tokens), medium=medium)
-        for name, medium, tokens in (("host", "CPU", host_tokens), ("store", "", store_tokens))
+        TierSpec(name, geo.cache.blocks_for_request(tokens), medium=medium, default=default)
+        for name, medium, tokens, default in (
+            (HOST_TIER, "CPU", host_tokens, Admission.ON_EVICTION),
+            (STORE_TIER, "", store_tokens, rule),
+        )
         if tokens is not None
     ]
     return replace(geo, tiers=(*geo.tiers, *tiers)) if tiers else geo

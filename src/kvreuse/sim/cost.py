@@ -15,11 +15,11 @@ a per-state cost from two measured cold prefills (docs/simulate.md, "The cost mo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from kvreuse.core import KVCacheManager, Request, StepPlan, TierSpec
+from kvreuse.core import KVCacheManager, Request, StepPlan, TierOp, TierSpec
 from kvreuse.deployment import COST_LIMITS, Deployment, DeploymentSpec, cost_problem, resolve
 from kvreuse.sched import DecodeScript, Engine, FakeEngine, Scheduler, Seq
 
@@ -102,6 +102,10 @@ class CostMeter:
         self.prefill_seconds = 0.0
         self._saved = self._chunks = 0  # the step in flight
         self.loads = TierLoadMeter(mgr, cost) if mgr is not None and mgr.tiers else None
+
+    def run_tier_ops(self, ops: Sequence[TierOp]) -> None:
+        """A commit's write-through copies: the simulator moves no bytes, and a copy out of the
+        device overlaps compute, as a demotion does (free in the cost model)."""
 
     def __call__(self, step: StepPlan, seqs: Mapping[str, Seq]) -> Outcomes:
         outcomes = self.engine(step, seqs)

@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         capacities = parse_capacities(args.capacity)
         _check_options(args)
         geometries = [
-            (label, with_tiers(geo, args.host_capacity, args.store_capacity))
+            (label, with_tiers(geo, args.host_capacity, args.store_capacity, args.store_admission))
             for label, geo in _geometries(args.geometry)
         ]
         workload = read_workload(args.workload)

@@ -46,7 +46,7 @@ from kvreuse.core import (
     KVCacheManager,
     MultiModalItem,
 )
-from kvreuse.events import ReplicaMirror, attention_group
+from kvreuse.events import ReplicaMirror, StoreMirror, attention_group
 from kvreuse.events.wire import WireEvent
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT
 from kvreuse.fleet.routing.policy import Policy, make_policy
@@ -125,15 +125,22 @@ class Router:
 
     # ------------------------------------------------------------------ replicas
     def add_replica(
-        self, name: str, mirror: ReplicaMirror | None = None, *, tiers: Sequence[str] = ()
+        self,
+        name: str,
+        mirror: ReplicaMirror | None = None,
+        *,
+        tiers: Sequence[str] = (),
+        shared: Sequence[StoreMirror] = (),
     ) -> ReplicaMirror:
         """Follow a replica; `mirror` is one a `Subscriber` keeps current (default: a new one,
-        fed through `apply`, knowing the media `tiers` of the replica's tiers in order).
-        Returns the mirror."""
+        fed through `apply`, knowing the media `tiers` of the replica's tiers in order, and
+        reading the tiers it shares with other replicas from `shared`). Returns the mirror."""
         if name in self.names:
             raise ValueError(f"replica {name!r} is already routed to")
         if mirror is None:
-            mirror = ReplicaMirror(self.geometry, _default_group(self.geometry), tiers=tiers)
+            mirror = ReplicaMirror(
+                self.geometry, _default_group(self.geometry), tiers=tiers, shared=shared
+            )
         elif mirror.geometry != self.geometry:
             raise ValueError(f"replica {name!r}: its mirror has another geometry than the router")
         self.names.append(name)

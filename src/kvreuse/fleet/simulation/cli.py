@@ -1,4 +1,4 @@
-"""`kvreuse simulate --replicas N --policy P [--policy Q …] [--shared-tier-capacity TOKENS] …`.
+"""`kvreuse simulate --replicas N --policy P [--policy Q …] [--store-capacity TOKENS] …`.
 
 The fleet options of `kvreuse simulate` (`add_fleet_arguments`) and the run they ask for
 (`run_fleet`): the workload on N replicas of the geometry behind the router, once per policy.
@@ -12,13 +12,15 @@ this run's.
 
 This module imports neither the router nor the simulation until a fleet runs, so a command
 line without the `events` extra can still offer (and refuse, in one line) the options.
+
+With `--store-capacity` the replicas share one store (kvreuse.fleet.simulation.run); the
+relabelling pool `--shared-tier-capacity` once modelled is gone, and the option says so.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from collections.abc import Iterable
@@ -33,12 +35,17 @@ from kvreuse.deployment import (
     GeometryError,
 )
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT, POLICIES, TEXT_MATCH_THRESHOLD
-from kvreuse.sim.args import int_range, number, size
-from kvreuse.sim.cli import check_fit_first, clear_outputs, prepare_out, read_inputs
+from kvreuse.sim.args import int_range, number
+from kvreuse.sim.cli import (
+    STORE_TIER,
+    check_fit_first,
+    clear_outputs,
+    prepare_out,
+    read_inputs,
+)
 from kvreuse.sim.cost import CostModel
 from kvreuse.sim.progress import Progress
 from kvreuse.sim.run import SimulationError
-from kvreuse.sim.sweep import request_lengths
 from kvreuse.sim.workload import WorkloadError, WorkloadRequest
 
 INTERRUPTED = 130
@@ -64,17 +71,15 @@ def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--shared-tier-capacity",
-        type=size(1, 2**62, unlimited=True),
         default=argparse.SUPPRESS,
-        metavar="TOKENS",
-        help="a shared pool of TOKENS every replica reads (a global cache; attention-only; "
-        "30M, inf: one that never evicts)",
+        help=argparse.SUPPRESS,  # gone: refused in one line naming --store-capacity
     )
     g.add_argument(
         "--device-only-routing",
         action="store_true",
-        help="with --host-capacity / --store-capacity: the router hears only the replicas' "
-        "device events (as a router that reads no medium field), not their tiers'",
+        help="with --host-capacity / --store-capacity (one store the replicas share): the "
+        "router hears only the replicas' device events (as a router that reads no medium "
+        "field), not their tiers'",
     )
     g.add_argument(
         "--load-weight",
@@ -114,7 +119,6 @@ def _outputs(out: Path, policies: list[str]) -> list[Path]:
 def _check_fleet(args: argparse.Namespace, dep: Deployment, policies: list[str]) -> None:
     """Options that depend on the geometry, refused before any run (one line each)."""
     from kvreuse.fleet.routing.policy import make_policy
-    from kvreuse.fleet.simulation.tier import SharedTier
 
     # Every replica's pool is built at once in this process: the ceiling of one pool bounds
     # them together (64 replicas of the largest pool would need 190 GB).
@@ -129,21 +133,21 @@ def _check_fleet(args: argparse.Namespace, dep: Deployment, policies: list[str])
         )
     for policy in policies:
         make_policy(policy, dep.cache.geometry)
-    if args.shared_tier_capacity is not None:
-        SharedTier(dep.cache.geometry, args.shared_tier_capacity)
 
 
 def run_fleet(args: argparse.Namespace) -> int:
     """`kvreuse simulate` with the fleet options: one run per policy, one comparison table."""
+    if hasattr(args, "shared_tier_capacity"):
+        return _fail(
+            "--shared-tier-capacity is gone: --store-capacity TOKENS gives the replicas one "
+            "store they all demote to and load from (docs/tiers.md)"
+        )
     if getattr(args, "replicas", None) is None:
-        return _fail("--policy and --shared-tier-capacity need --replicas N")
+        return _fail("--policy needs --replicas N")
     args.policy = getattr(args, "policy", None)
-    args.shared_tier_capacity = getattr(args, "shared_tier_capacity", None)
     policies = list(dict.fromkeys(args.policy or ["exact"]))
     try:
         dep, workload = read_inputs(args)
-        if args.shared_tier_capacity == math.inf:  # room for every token any request holds
-            args.shared_tier_capacity = sum(request_lengths(workload))
         cost = CostModel.for_deployment(
             dep,
             prefill_tokens_per_s=args.prefill_tokens_per_s,
@@ -193,7 +197,6 @@ def _run(
         replicas=args.replicas,
         policy=policy,
         load_weight=args.load_weight,
-        shared_tier_tokens=args.shared_tier_capacity,
         cost=cost,
         draft_accept_rate=args.draft_accept_rate,
         router_options=(("text_threshold", args.text_match_threshold),),
@@ -225,12 +228,12 @@ def _write_reports(
 
     head = (
         f"{dep.name} × {args.replicas} replicas, {len(workload):,} requests"
-        + (
-            f", shared tier {args.shared_tier_capacity:,} tokens"
-            if args.shared_tier_capacity
-            else ""
+        + "".join(
+            f", {s.name} {s.num_blocks:,} blocks "
+            + ("shared by the replicas" if s.name == STORE_TIER else "per replica")
+            + f" ({s.medium})"
+            for s in dep.tiers
         )
-        + "".join(f", {s.name} {s.num_blocks:,} blocks per replica ({s.medium})" for s in dep.tiers)
         + (" (router: device events only)" if dep.tiers and args.device_only_routing else "")
         + f", load weight {args.load_weight:g}"
     )

@@ -6,15 +6,23 @@ events in time: a request becomes ready (arrival, dependencies finished) and the
 replica from the mirrors and loads as they stand at that moment; a replica that has work and is
 idle starts a step, which the core computes at once but whose effects are seen by the rest of
 the fleet only when it ends (`start + step time`): its KV events reach the router's mirror
-(through `Converter.convert`, the live path's conversion, then `ReplicaMirror.apply`), its
-finished requests release their dependents, and its units reach the shared tier. At equal times
-step ends come before arrivals, so a request sees every step that ended by then.
+(through `Converter.convert`, the live path's conversion, then `ReplicaMirror.apply`) and its
+finished requests release their dependents. At equal times step ends come before arrivals, so a
+request sees every step that ended by then.
 
-A replica whose deployment has tiers below its pool (`--host-capacity`, `--store-capacity`) has
-them in its own manager: its steps pay their loads in the cost model, its KV events carry the
-tiers' keys in vLLM's `medium` field, and the router's mirror tracks each tier and prices a hit
-loaded from one (`TierPrice`, from the same cost model). With `score_tiers` off the router hears
-only device events, as one that reads no `medium` would.
+Tiers below the pools (`--host-capacity`, `--store-capacity`): each replica's manager has its
+own host tier, and all of them share one store (a core `SharedTier` named "store": a block one
+replica demotes there is a hit every replica's lookup sees and loads). Steps pay their loads in
+the cost model; a replica's KV events carry its host tier's keys in vLLM's `medium` field, and
+the store's own events, in the order its changes were decided, reach one `StoreMirror` that
+every replica's mirror reads. The store's events are seen as the step that caused them starts:
+an engine runs a step's tier ops before its forward, and only this order is the store's own
+(steps of several replicas overlap in time and end in another order). The router prices a hit
+loaded from a tier by the same cost model (`TierPrice`). With `score_tiers` off it hears only
+device events, as one that reads no `medium` would.
+
+Replicas sharing a store take their steps one at a time (kvreuse.core.shared_tier): the
+simulation decides one replica's whole step (`Scheduler.step`, sealed) before another's.
 
 A replica's load follows the router's rule (`kvreuse.fleet.routing.router`): here every step is
 seen, so it is the prompts of the requests routed to the replica and not yet admitted or waiting,
@@ -30,10 +38,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvreuse.core import KVCacheManager, Request
+from kvreuse.core import KVCacheManager, Request, SharedTier, TierSpec
 from kvreuse.deployment import Deployment
-from kvreuse.events import Converter
-from kvreuse.events.wire import BlockRemoved, BlockStored, WireEvent
+from kvreuse.events import Converter, StoreMirror
+from kvreuse.events.wire import BlockRemoved, WireEvent
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT
 from kvreuse.fleet.routing.query import TierPrice
 from kvreuse.fleet.routing.router import Router
@@ -47,9 +55,9 @@ from kvreuse.fleet.simulation.summary import (
     reconcile,
     too_large,
 )
-from kvreuse.fleet.simulation.tier import SharedTier
 from kvreuse.sched import FakeEngine, Scheduler, Seq
 from kvreuse.sim.blockchains import BlockChains
+from kvreuse.sim.cli import STORE_TIER
 from kvreuse.sim.cost import CostMeter, CostModel
 from kvreuse.sim.run import SimulationError
 from kvreuse.sim.workload import WorkloadRequest
@@ -64,7 +72,6 @@ class FleetOptions:
     replicas: int
     policy: str = "exact"
     load_weight: float = DEFAULT_LOAD_WEIGHT
-    shared_tier_tokens: int | None = None
     cost: CostModel = field(default_factory=CostModel)
     draft_accept_rate: float = 0.7
     router_options: tuple[tuple[str, Any], ...] = ()  # text_threshold, text_imbalance, …
@@ -85,10 +92,16 @@ class _Replica:
     """One simulated replica and the effects of its step in flight."""
 
     def __init__(
-        self, index: int, dep: Deployment, cost: CostModel, accept_rate: float, tiers: bool
+        self,
+        index: int,
+        dep: Deployment,
+        below: list[TierSpec | SharedTier],
+        cost: CostModel,
+        accept_rate: float,
+        tiers: bool,
     ) -> None:
         self.index = index
-        self.mgr = KVCacheManager(replace(dep.cache, enable_events=True), tiers=dep.tiers)
+        self.mgr = KVCacheManager(replace(dep.cache, enable_events=True), tiers=below)
         self.meter = CostMeter(FakeEngine(accept_rate=accept_rate), cost, self.mgr)
         self.sched = Scheduler(self.mgr, self.meter, dep.sched)
         self.converter = Converter(self.mgr.geo, tiers=tiers)
@@ -147,18 +160,25 @@ class _FleetRun:
             tier_prices=prices,
             **dict(options.router_options),
         )
+        spec = next((s for s in dep.tiers if s.name == STORE_TIER), None)
+        self.store = None if spec is None else SharedTier(spec, dep.cache, enable_events=True)
+        below = [self.store if s is spec and self.store is not None else s for s in dep.tiers]
         self.replicas = [
-            _Replica(i, dep, cost, options.draft_accept_rate, scored)
+            _Replica(i, dep, below, cost, options.draft_accept_rate, scored)
             for i in range(options.replicas)
         ]
         media = [s.medium for s in dep.tiers] if scored else []
+        self.store_mirror = None
+        if self.store is not None and scored:
+            self.store_mirror = StoreMirror(dep.cache.geometry, self.store.spec.medium)
+        shared = [] if self.store_mirror is None else [self.store_mirror]
         for rep in self.replicas:
-            self.router.add_replica(f"r{rep.index}", tiers=media)
+            self.router.add_replica(f"r{rep.index}", tiers=media, shared=shared)
         self.scored = scored
+        self.store_converter = Converter(dep.cache.geometry)
+        self.store_removed = 0  # keys the store's removals took away, so far
         chains = BlockChains(self.router.hasher, workload)
         self.feeder = FleetFeeder(workload, dep.max_model_len, chains)
-        cap = options.shared_tier_tokens
-        self.tier = None if cap is None else SharedTier(dep.cache.geometry, cap)
         self.tally = FleetTally(options.replicas, sink)
         self.tracks: dict[str, Track] = {}
         self.heap: list[tuple[float, int, int]] = []  # (end time, tie-break, replica)
@@ -189,7 +209,7 @@ class _FleetRun:
             raise SimulationError(f"{left} requests wait on requests that never finish")
 
     def _route_ready(self, now: float) -> None:
-        router, tier = self.router, self.tier
+        router = self.router
         for i, since, tokens, prefix in self.feeder.release(now):
             w = self.workload[i]
             query = router.query(
@@ -219,9 +239,7 @@ class _FleetRun:
                 since=since,
                 predicted=decision.predicted_cached,
                 predicted_tiers=decision.predicted_tiers,
-                removed_at_route=rep.num_removed,
-                keys=None if tier is None else query.keys,
-                top=query.top,
+                removed_at_route=rep.num_removed + self.store_removed,
             )
 
     def _step(self, rep: _Replica, now: float) -> None:
@@ -235,15 +253,11 @@ class _FleetRun:
         self.num_steps += 1
         end = now + rep.meter.step_time(st.num_prefill_tokens, st.num_decode_tokens)
         rep.peak_used = max(rep.peak_used, st.num_used_blocks)
+        self._store_changed()
         for rid in st.admitted:
             track = tracks[rid]
             if track.admitted_at is None:
                 track.admitted_at = now
-                if self.tier is not None and track.keys is not None:
-                    seq = sched.seqs[rid]
-                    local = seq.cached_tokens or 0
-                    track.tier_tokens = max(0, self.tier.match(track.keys, track.top) - local)
-                    track.keys = None
         for seq in sched.running:
             if seq.output:
                 track = tracks[seq.request_id]
@@ -259,25 +273,30 @@ class _FleetRun:
         self.num_events += 1
         heapq.heappush(self.heap, (end, self.num_events, rep.index))
 
+    def _store_changed(self) -> None:
+        """The store's changes the step just decided, to its mirror (module docstring)."""
+        if self.store is None:
+            return
+        events = self.store_converter.convert(self.store.take_events())
+        self.store_removed += sum(
+            len(ev.block_hashes) for ev in events if isinstance(ev, BlockRemoved)
+        )
+        if self.store_mirror is not None:
+            self.store_mirror.apply(events)
+
     def _end_step(self, rep: _Replica, t: float) -> None:
         rep.busy = False
         events, rep.events = rep.events, []
         if events:
-            tier = self.tier
             for ev in events:
                 if isinstance(ev, BlockRemoved):
                     rep.num_removed += len(ev.block_hashes)
-                elif (
-                    tier is not None
-                    and isinstance(ev, BlockStored)
-                    and ev.group_idx == tier.group_id
-                ):
-                    tier.write(ev.block_hashes)
             self.router.apply(rep.index, events)
+        removed = rep.num_removed + self.store_removed
         for rid in rep.admitted:
             track = self.tracks[rid]
             if track.evicted is None:  # removals up to the end of the step that admitted it
-                track.evicted = rep.num_removed > track.removed_at_route
+                track.evicted = removed > track.removed_at_route
         rep.admitted = []
         for seq in rep.done:
             self.feeder.finished(seq, t)
@@ -292,16 +311,6 @@ class _FleetRun:
         checks = reconcile(
             tally, managers, self.router.mirrors, len(self.workload), tiers=self.scored
         )
-        tier = None
-        if self.tier is not None:
-            extra = sum(tally.tier_tokens)
-            tier = {
-                "capacity_tokens": self.tier.capacity_tokens,
-                "tier_tokens": extra,
-                "hit_rate_with_tier": (cached + extra) / prompt if prompt else 0.0,
-                "units_written": self.tier.num_written,
-                "units_evicted": self.tier.num_evicted,
-            }
         per_replica = []
         for rep, mgr in zip(reps, managers, strict=True):
             r, m = rep.index, mgr.metrics()
@@ -328,8 +337,7 @@ class _FleetRun:
             "admitted_prompt_tokens": prompt,
             "cached_tokens": cached,
             "hit_rate": cached / prompt if prompt else 0.0,
-            "shared_tier": tier,
-            "tiers": fleet_tiers(self.dep.tiers, [rep.meter for rep in reps], tally),
+            "tiers": fleet_tiers(self.dep.tiers, [rep.meter for rep in reps], tally, STORE_TIER),
             "balance": balance(tally.prompt_tokens),
             "prediction": prediction(tally),
             "per_replica": per_replica,

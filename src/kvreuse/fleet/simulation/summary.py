@@ -30,13 +30,10 @@ class Track:
     replica: int
     since: float  # ready (arrived, dependencies finished)
     predicted: int | None  # the policy's prediction for the chosen replica
-    removed_at_route: int  # the replica's removals so far when it was routed
-    keys: list[int] | None  # its units' keys, kept for the shared tier until admission
-    top: int
+    removed_at_route: int  # the replica's and the store's removals so far when it was routed
     admitted_at: float | None = None
     first_token_at: float | None = None
-    tier_tokens: int = 0
-    evicted: bool | None = None  # did the replica remove entries between routing and admission
+    evicted: bool | None = None  # did the replica or the store remove entries in between
     predicted_tiers: tuple[int, ...] | None = None  # of the prediction, per tier below the pool
 
 
@@ -50,7 +47,7 @@ class FleetTally:
         self.num_rows = 0
         zeros = [0] * num_replicas
         self.requests, self.prompt_tokens, self.cached = zeros[:], zeros[:], zeros[:]
-        self.tier_tokens, self.admitted, self.admitted_prompt = zeros[:], zeros[:], zeros[:]
+        self.admitted, self.admitted_prompt = zeros[:], zeros[:]
         self.preemptions = 0
         self.num_predicted = self.abs_error = self.num_over = self.over_tokens = 0
         self.max_over = self.num_under = self.clean_mismatch = self.clean_over = 0
@@ -75,7 +72,6 @@ class FleetTally:
         if seq.cached_tokens is not None:  # admitted: the core counted it
             self.admitted[r] += 1
             self.admitted_prompt[r] += seq.prompt_len
-            self.tier_tokens[r] += track.tier_tokens
             if track.predicted is not None:
                 self._predicted(track.predicted, cached, bool(track.evicted))
             if track.predicted_tiers is not None and seq.stats is not None:
@@ -100,7 +96,6 @@ class FleetTally:
             "prompt_tokens": seq.prompt_len,
             "cached_tokens": cached,
             "predicted_tokens": track.predicted,
-            "tier_tokens": track.tier_tokens,
             "predicted_tiers": None if pt is None else list(pt),
             "delivered_tiers": None if pt is None else list(delivered or (0,) * len(pt)),
             "evicted_before_admission": track.evicted,
@@ -156,20 +151,25 @@ def balance(routed: Sequence[int]) -> dict[str, Any]:
 
 
 def fleet_tiers(
-    specs: Sequence[TierSpec], meters: Sequence[CostMeter], tally: FleetTally
+    specs: Sequence[TierSpec], meters: Sequence[CostMeter], tally: FleetTally, shared: str
 ) -> dict[str, Any] | None:
     """Per tier below the replicas' pools, summed over the fleet: the hit tokens it gave back,
-    the blocks it loaded and the simulated seconds of those loads; with the router's prediction
-    of those tokens beside what was delivered (None: no tiers)."""
+    the blocks it loaded and the simulated seconds of those loads, what it holds at the end;
+    with the router's prediction of those tokens beside what was delivered (None: no tiers).
+    The tier named `shared` is one the replicas share: its capacity and holdings are counted
+    once; another tier's capacity is each replica's."""
     if not specs:
         return None
     out: dict[str, Any] = {}
     per_meter = [m.summary()["tiers"] for m in meters]
     for t, spec in enumerate(specs):
         rows = [tiers[spec.name] for tiers in per_meter]
+        one = spec.name == shared
         out[spec.name] = {
             "medium": spec.medium,
-            "capacity_blocks_per_replica": spec.num_blocks,
+            "shared": one,
+            "capacity_blocks": spec.num_blocks,  # the store's, or each replica's
+            "held_blocks": rows[0]["held_blocks"] if one else sum(r["held_blocks"] for r in rows),
             "hit_tokens": sum(r["hit_tokens"] for r in rows),
             "loaded_blocks": sum(r["loaded_blocks"] for r in rows),
             "load_seconds": round(sum(r["load_seconds"] for r in rows), 6),
@@ -262,9 +262,8 @@ def _pct(value: float | None) -> str:
 
 def comparison_table(summaries: Sequence[dict[str, Any]]) -> str:
     """One row per policy: reuse, balance, prediction error, the TTFT estimate."""
-    tier = any(s["shared_tier"] for s in summaries)
     below = any(s.get("tiers") for s in summaries)
-    head = f"{'policy':<16} {'hit rate':>8} " + (f"{'+ tier':>8} " if tier else "")
+    head = f"{'policy':<16} {'hit rate':>8} "
     head += f"{'from tiers':>10} {'load (s)':>9} " if below else ""
     head += (
         f"{'cached tokens':>14} {'max/mean':>8} {'CV':>6} {'pred. MAE':>10} {'over-pred.':>10} "
@@ -274,9 +273,6 @@ def comparison_table(summaries: Sequence[dict[str, Any]]) -> str:
     for s in summaries:
         b, p = s["balance"], s["prediction"]
         line = f"{s['policy']:<16} {_pct(s['hit_rate']):>8} "
-        if tier:
-            t = s["shared_tier"]
-            line += f"{_pct(t['hit_rate_with_tier'] if t else None):>8} "
         if below:
             rows = [v for v in (s.get("tiers") or {}).values() if isinstance(v, dict)]
             got = sum(v["hit_tokens"] for v in rows)
