@@ -101,15 +101,29 @@ def _serve_option_error(args: argparse.Namespace) -> str | None:
     ):
         if not num > 0:
             return f"{flag} must be a number of seconds > 0, got {num}"
+    problem = _tier_option_error(args)
+    if problem is not None:
+        return problem
     from kvreuse.events.options import option_error
 
     return option_error(args)
 
 
+def _tier_option_error(args: argparse.Namespace) -> str | None:
+    url = args.store_url
+    if url is not None and args.store_capacity is None:
+        return "--store-url names the store tier's server: give --store-capacity too"
+    if args.store_capacity is not None and url is None and not args.fake:
+        return "--store-capacity needs --store-url redis://HOST:PORT (the store's bytes) or --fake"
+    if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+        return f"--store-url must be a redis://, rediss:// or unix:// URL, got {url!r}"
+    return None
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from kvreuse.events.options import describe, open_publisher
     from kvreuse.serve import ops_options as ops
-    from kvreuse.serve.backend import default_backend, fake_backend
+    from kvreuse.serve.backend import TierOptions, default_backend, fake_backend
     from kvreuse.serve.server import bind, run_server
 
     args.admin_token = ops.admin_token(args.admin_token)
@@ -123,10 +137,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         metrics = ops.bind_metrics(args)
         if metrics is not None:
             sockets.append(metrics)
+        tiers = TierOptions(
+            args.host_capacity, args.store_capacity, args.store_admission, args.store_url
+        )
         if args.fake:
-            backend = fake_backend(args.geometry, num_blocks=args.num_blocks)
+            backend = fake_backend(args.geometry, num_blocks=args.num_blocks, tiers=tiers)
         else:
-            backend = default_backend(args.model, args.geometry, args.num_blocks)
+            backend = default_backend(args.model, args.geometry, args.num_blocks, tiers)
         kv_events = open_publisher(args, backend.mgr.geo)
     except (RuntimeError, ValueError, OSError) as exc:
         where = f" ({exc.strerror})" if isinstance(exc, OSError) and exc.strerror else ""

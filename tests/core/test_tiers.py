@@ -75,6 +75,8 @@ class TierDriver(Driver):
         self.num_loads = 0
         self.num_demotes = 0
         self.num_loaded_admissions = 0
+        self.ops_in: list[int] = [0] * len(tiers)  # per tier: demotes and moves into it run
+        self.ops_out: list[int] = [0] * len(tiers)  # per tier: loads from it run
         self.converter = Converter(self.geo)
         media = [t.spec.medium if isinstance(t, SharedTier) else t.medium for t in tiers]
         self.mirror = ReplicaMirror(self.geo, tiers=media, shared=[store] if store else [])
@@ -159,6 +161,26 @@ class TierDriver(Driver):
         self.seen_trace = len(trace)
         self._note_publications()
         self._check_mirror(events)
+        self._check_tier_metrics()
+
+    def _check_tier_metrics(self) -> None:
+        """The manager's per-tier counts are the ops the engine was handed (and those decided
+        but not yet handed out); what each tier holds is within its capacity."""
+        stack = self.mgr.tiers
+        stored, loaded = list(self.ops_in), list(self.ops_out)
+        for op in stack.ops:
+            if isinstance(op, Demote):
+                stored[op.tier] += 1
+            elif isinstance(op, Move):
+                stored[op.dst_tier] += 1
+            else:
+                loaded[op.tier] += 1
+        metrics = self.mgr.metrics()["tiers"]
+        for t, tier in enumerate(stack.tiers):
+            m = metrics[tier.spec.name]
+            assert (m["stored_blocks"], sum(m["loaded_blocks"].values())) == (stored[t], loaded[t])
+            assert m["held_blocks"] == len(tier) <= m["capacity_blocks"] == tier.spec.num_blocks
+            assert m["medium"] == tier.spec.medium and m["shared"] == tier.shared
 
     def _check_mirror(self, events: list[Any]) -> None:
         """The new events, as bytes on the wire, applied to the mirror: it holds what the pool
@@ -196,14 +218,17 @@ class TierDriver(Driver):
             if isinstance(op, Demote):
                 self.slot_bytes[self._slot(op.tier, op.slot)] = set(self.bytes[op.block_id])
                 self.num_demotes += 1
+                self.ops_in[op.tier] += 1
             elif isinstance(op, Move):
                 src = self.slot_bytes[self._slot(op.src_tier, op.src_slot)]
                 self.slot_bytes[self._slot(op.dst_tier, op.dst_slot)] = set(src)
+                self.ops_in[op.dst_tier] += 1
             else:
                 assert isinstance(op, Load)
                 self.bytes[op.block_id] = set(self.slot_bytes[self._slot(op.tier, op.slot)])
                 self.loaded.add(op.block_id)
                 self.num_loads += 1
+                self.ops_out[op.tier] += 1
         for plan in step.requests:
             fresh = [b for row in plan.new_blocks.values() for b in row]
             for b in fresh + [s.block for s in plan.saves]:
@@ -386,6 +411,11 @@ def test_a_full_host_moves_its_oldest_slot_down_to_the_store() -> None:
     assert not mgr.tiers.take_ops()  # every op went out with its step
     moved = [e for e in mgr.tiers.export_entries() if e[0] == 1]
     assert moved and len([e for e in mgr.tiers.export_entries() if e[0] == 0]) <= 2
+    # every slot the host freed went to the store, which has room for all: none was dropped
+    host, store = mgr.metrics()["tiers"]["host"], mgr.metrics()["tiers"]["store"]
+    assert host["held_blocks"] == 2 and host["evicted_blocks"] == store["stored_blocks"] > 0
+    assert host["stored_blocks"] == host["held_blocks"] + host["evicted_blocks"]
+    assert store["evicted_blocks"] == 0 and mgr.tiers.num_dropped == 0
 
 
 @pytest.mark.parametrize(

@@ -161,3 +161,37 @@ def test_the_server_is_stopped_by_its_pid(tmp_path: Path) -> None:
         RedisBytes(u)["probe"] = b"x"
     with pytest.raises(redis.ConnectionError):
         redis.Redis.from_url(u, socket_connect_timeout=0.5).ping()
+
+
+def test_serve_keeps_its_store_tier_in_the_server(url: str) -> None:
+    """`kvreuse serve --store-capacity --store-url`: the resend of an evicted prompt loads its
+    prefix from Redis, answers as the cold request did, and /metrics counts the store's hit and
+    the bytes that came back."""
+    import httpx
+
+    from kvreuse.serve import default_backend
+    from kvreuse.serve.app import create_app
+    from kvreuse.serve.backend import TierOptions
+    from kvreuse.serve.server import ServerThread
+
+    backend = default_backend(num_blocks=16, tiers=TierOptions(store_tokens=20_000, store_url=url))
+    body = {"model": backend.name, "max_tokens": 4, "temperature": 0}
+
+    def send(base: str, prompt: str) -> tuple[str, int]:
+        r = httpx.post(base + "/v1/completions", json={**body, "prompt": prompt}).json()
+        return r["choices"][0]["text"], r["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    with ServerThread(create_app(backend)) as base:
+        prompt = "The store keeps what the device evicts. " * 7
+        cold, _ = send(base, prompt)
+        for i in range(6):
+            send(base, f"{i} flood " * 40)
+        warm, hit = send(base, prompt)
+        text = httpx.get(base + "/metrics").text
+    store = backend.mgr.metrics()["tiers"]["store"]
+    assert warm == cold and hit > 0 and store["hit_tokens"] > 0
+    hits = f'kvreuse:kv_tier_hits_total{{medium="STORE",tier="store"}} {store["hit_tokens"]:.1f}'
+    assert hits in text
+    assert 'kvreuse:kv_offload_total_bytes_total{transfer_type="STORE_to_GPU"}' in text
+    keys = RedisBytes(url).client.keys("kvreuse:*")
+    assert len(keys) >= store["held_blocks"] > 0  # the slots' bytes are in the server

@@ -13,7 +13,8 @@ import pytest
 
 from kvreuse.core import TierSpec
 from kvreuse.deployment import Deployment, preset
-from kvreuse.sim.cli import with_pool, with_tiers
+from kvreuse.sim.args import with_tiers
+from kvreuse.sim.cli import with_pool
 from kvreuse.sim.generators import agent
 from kvreuse.sim.run import CostModel, simulate
 from kvreuse.sim.workload import load_workload

@@ -17,6 +17,7 @@ from kvreuse.core.pool import BlockPool
 if TYPE_CHECKING:
     from kvreuse.core.config import Geometry
     from kvreuse.core.request import RequestState
+    from kvreuse.core.tiers import TierStack
 
 COUNTER_NAMES = (
     "prefix_cache_requests",
@@ -119,4 +120,29 @@ def snapshot(
     out["kv_blocks_free"] = free
     out["kv_index_entries"] = dict(entries)
     out["kv_ghost_keys"] = len(pool.ghost)
+    return out
+
+
+def tier_snapshot(geo: Geometry, stack: TierStack) -> dict[str, dict[str, object]]:
+    """Per tier below the pool, by name: its medium, whether replicas share it, its capacity
+    and the slots it holds (a shared tier's, whoever filled them), and this manager's counts:
+    `hit_tokens` of first admissions (as `prefix_cache_hits` counts them, on the first
+    full-attention group's pages), `loaded_blocks` per group kind, `stored_blocks` (copies
+    into the tier: demotes, write-throughs and moves from the tier above) and
+    `evicted_blocks` (slots it freed to make room, moved down or dropped)."""
+    out: dict[str, dict[str, object]] = {}
+    for t, tier in enumerate(stack.tiers):
+        loaded: Counter[str] = Counter({g.kind: 0 for g in geo.groups})
+        for g in geo.groups:
+            loaded[g.kind] += stack.num_loaded[t][g.group_id]
+        out[tier.spec.name] = {
+            "medium": tier.spec.medium,
+            "shared": tier.shared,
+            "capacity_blocks": tier.spec.num_blocks,
+            "held_blocks": len(tier),
+            "hit_tokens": stack.hit_tokens[t],
+            "loaded_blocks": dict(loaded),
+            "stored_blocks": stack.num_stored[t],
+            "evicted_blocks": stack.num_evicted[t],
+        }
     return out

@@ -12,10 +12,11 @@ from typing import Any
 from kvreuse.core.config import Geometry
 from kvreuse.core.errors import UnknownRequestError
 from kvreuse.core.events import Event, EventLog
-from kvreuse.core.metrics import RequestStats, snapshot
+from kvreuse.core.metrics import RequestStats, snapshot, tier_snapshot
 from kvreuse.core.pool import BlockPool
 from kvreuse.core.request import Phase, RequestState
 from kvreuse.core.savepoints import replay_point
+from kvreuse.core.tiers import TierStack
 from kvreuse.core.views import describe, export_entries, export_ghost
 
 
@@ -28,6 +29,7 @@ class Observed:
     reasons: Counter[str]
     cow: Counter[str]
     _finished: OrderedDict[str, RequestStats]
+    tiers: TierStack
 
     def _get(self, rid: str, op: str) -> RequestState:
         raise NotImplementedError
@@ -55,9 +57,14 @@ class Observed:
         raise UnknownRequestError(f"request_stats: unknown or forgotten request {req_id!r}")
 
     def metrics(self) -> dict[str, Any]:
-        return snapshot(
+        """Spec §12.1's counters and gauges; with tiers below the pool, `tiers` holds each
+        tier's (`kvreuse.core.metrics.tier_snapshot`)."""
+        out = snapshot(
             self.geo, self.pool, self.counters, self.reasons, self.cow, self.events.dropped
         )
+        if self.tiers:
+            out["tiers"] = tier_snapshot(self.geo, self.tiers)
+        return out
 
     def take_events(self) -> list[Event]:
         return self.events.take(self.geo)

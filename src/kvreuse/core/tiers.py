@@ -199,8 +199,10 @@ class TierStack:
         self.ops: list[TierOp] = []
         self.shared = [t for t in tiers if t.shared]
         self.writes_through = any(t.spec.any_write_through() for t in tiers)
-        self.num_demoted = 0
-        self.num_dropped = 0
+        self.num_demoted = 0  # blocks copied down from the pool (evicted or written through)
+        self.num_dropped = 0  # keyed blocks no tier kept
+        self.num_stored = [0] * len(specs)  # per tier: copies into it (demotes and moves)
+        self.num_evicted = [0] * len(specs)  # per tier: slots it freed to make room
         self.num_loaded: list[list[int]] = [[0] * len(kinds) for _ in specs]  # [tier][gid]
         self.hit_tokens: list[int] = [0] * len(specs)  # first admissions' hit tokens, per tier
 
@@ -265,6 +267,7 @@ class TierStack:
                     slot = self._place(t, Slot(gid, keys))
                     self.ops.append(Demote(t, slot, gid, block_id))
                     self.num_demoted += 1
+                    self.num_stored[t] += 1
                     break
             else:
                 self.num_dropped += held is None
@@ -295,6 +298,7 @@ class TierStack:
                 else:
                     continue
                 self.num_demoted += 1
+                self.num_stored[t] += 1
 
     def _make_room(self, t: int) -> bool:
         """Free one slot of tier `t`, moving its LRU slot down (or dropping it); False when
@@ -313,9 +317,11 @@ class TierStack:
                 break  # already there: nothing to copy
             if below.spec.admits(kind) and self._make_room(d):
                 self.ops.append(Move(t, victim, d, self._place(d, entry)))
+                self.num_stored[d] += 1
                 break
         else:
             self.num_dropped += 1
+        self.num_evicted[t] += 1
         self._take(t, victim)
         return True
 

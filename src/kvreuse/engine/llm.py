@@ -150,6 +150,7 @@ class LLM:
         self.runner = ModelRunner(
             self.model, cache, spec=spec, seed=seed, tiers=[held for _, held in tiers]
         )
+        self.runner.transfers.media = [t.spec.medium for t in self.mgr.tiers.tiers]
         self.scheduler = Scheduler(
             self.mgr, self.runner, replace(geo.sched, num_spec_tokens=num_spec_tokens)
         )

@@ -30,7 +30,7 @@ from kvreuse.core import CacheConfig, RequestPlan, StepPlan, TierOp
 from kvreuse.engine.model import Model
 from kvreuse.engine.paged import PagedCache, PagedContext
 from kvreuse.engine.sampling import GREEDY, SamplingParams, sample
-from kvreuse.engine.tiers import TierBytes, run_tier_ops
+from kvreuse.engine.tiers import TierBytes, Transfers, run_tier_ops
 
 SPEC_METHODS = (None, "ngram", "eagle")
 
@@ -74,6 +74,7 @@ class ModelRunner:
         self.model = model
         self.cache = PagedCache(cache, model.config, torch.float32)
         self.tiers = list(tiers)  # the bytes of the core's tiers, in the same order
+        self.transfers = Transfers([""] * len(self.tiers))  # `LLM` names the media
         if spec == "eagle" and "draft" not in self.cache.layer_group:
             raise ValueError(
                 "spec='eagle' needs a model with a draft head and a geometry with a full "
@@ -92,7 +93,7 @@ class ModelRunner:
 
     def run_tier_ops(self, ops: Sequence[TierOp]) -> None:
         """Tier ops decided between steps (a commit's write-through copies), in order."""
-        run_tier_ops(ops, self.tiers, self.cache)
+        run_tier_ops(ops, self.tiers, self.cache, self.transfers)
 
     def __call__(self, step: StepPlan, seqs: Mapping[str, Any]) -> list[tuple[Any, ...]]:
         """Run the step; one outcome per plan, in the step's order (what `commit_batch` takes)."""
@@ -100,7 +101,7 @@ class ModelRunner:
             self._gens.pop(rid, None)
             self._drafts.pop(rid, None)
         if step.tier_ops:  # before the copies: a copy may read a block a load fills
-            run_tier_ops(step.tier_ops, self.tiers, self.cache)
+            run_tier_ops(step.tier_ops, self.tiers, self.cache, self.transfers)
         for c in step.copies:  # E1: all copies before any write of the step
             self.cache.copy(c)
         return [self._run(plan, seqs[plan.request_id]) for plan in step.requests]

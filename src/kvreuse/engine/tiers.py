@@ -18,12 +18,13 @@ from __future__ import annotations
 import hashlib
 import io
 import struct
+from collections import Counter
 from collections.abc import MutableMapping, Sequence
 
 import torch
 from torch import Tensor
 
-from kvreuse.core import Demote, Load, Move, TierOp
+from kvreuse.core import DEVICE_MEDIUM, Demote, Load, Move, TierOp
 from kvreuse.engine.paged import PagedCache
 
 Block = dict[str, Tensor]  # per layer: what `PagedCache.read_block` returns
@@ -85,12 +86,42 @@ class BytesTier:
 TierBytes = HostTier | BytesTier
 
 
-def run_tier_ops(ops: Sequence[TierOp], tiers: Sequence[TierBytes], cache: PagedCache) -> None:
-    """Carry out a step's tier ops in their order."""
+class Transfers:
+    """Bytes and blocks moved between the cache and its tiers, per direction, named as vLLM's
+    offloading metrics name it (`transfer_type`: "GPU_to_CPU", "CPU_to_GPU", …; the cache is
+    "GPU" whatever device it is on, as in KV events)."""
+
+    def __init__(self, media: Sequence[str]) -> None:
+        self.media = list(media)  # per tier, its medium
+        self.bytes: Counter[str] = Counter()
+        self.blocks: Counter[str] = Counter()
+
+    def add(self, src: str, dst: str, block: Block) -> None:
+        way = f"{src}_to_{dst}"
+        self.bytes[way] += sum(t.numel() * t.element_size() for t in block.values())
+        self.blocks[way] += 1
+
+
+def run_tier_ops(
+    ops: Sequence[TierOp],
+    tiers: Sequence[TierBytes],
+    cache: PagedCache,
+    moved: Transfers | None = None,
+) -> None:
+    """Carry out a step's tier ops in their order (counting what moves in `moved`)."""
+    media = moved.media if moved is not None else [""] * len(tiers)
     for op in ops:
         if isinstance(op, Demote):
-            tiers[op.tier].put(op.slot, cache.read_block(op.group_id, op.block_id))
+            block = cache.read_block(op.group_id, op.block_id)
+            tiers[op.tier].put(op.slot, block)
+            way = (DEVICE_MEDIUM, media[op.tier])
         elif isinstance(op, Move):
-            tiers[op.dst_tier].put(op.dst_slot, tiers[op.src_tier].get(op.src_slot))
+            block = tiers[op.src_tier].get(op.src_slot)
+            tiers[op.dst_tier].put(op.dst_slot, block)
+            way = (media[op.src_tier], media[op.dst_tier])
         elif isinstance(op, Load):
-            cache.write_block(op.group_id, op.block_id, tiers[op.tier].get(op.slot))
+            block = tiers[op.tier].get(op.slot)
+            cache.write_block(op.group_id, op.block_id, block)
+            way = (media[op.tier], DEVICE_MEDIUM)
+        if moved is not None:
+            moved.add(*way, block)

@@ -15,9 +15,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvreuse.core import KVCacheManager
+from kvreuse.core import KVCacheManager, TierSpec
 from kvreuse.deployment import Deployment, DeploymentSpec, load_geometry, resolve
 from kvreuse.sched import ContentTokens, Scheduler, ScriptedEngine
+from kvreuse.sim.args import HOST_TIER, with_tiers
 from kvreuse.tokenizer import ByteTokenizer, Tokenizer
 
 FAKE_NAME = "fake-hybrid-dcp4"
@@ -42,6 +43,23 @@ def _fake_sampling(**kwargs: Any) -> dict[str, Any]:
     return dict(kwargs)
 
 
+@dataclass(frozen=True)
+class TierOptions:
+    """The tiers below the server's cache (`--host-capacity`, `--store-capacity`): each with
+    room for the blocks one request of that many tokens needs, as `kvreuse simulate` sizes
+    them. The store's bytes live in the Redis server at `store_url` (docs/tiers.md); the
+    fake backend moves no bytes and needs none."""
+
+    host_tokens: int | None = None
+    store_tokens: int | None = None
+    store_admission: str = "on-eviction"
+    store_url: str | None = None
+
+    def specs(self, dep: Deployment) -> tuple[TierSpec, ...]:
+        bare = replace(dep, tiers=())
+        return with_tiers(bare, self.host_tokens, self.store_tokens, self.store_admission).tiers
+
+
 @dataclass
 class Backend:
     """Everything the server needs; only its step-loop thread touches `scheduler` and `mgr`."""
@@ -55,6 +73,7 @@ class Backend:
     vocab_size: int | None = None  # token ids a prompt may hold (default: the tokenizer's)
     aliases: tuple[str, ...] = ()  # other names `model` may give (an earlier naming)
     notes: tuple[str, ...] = ()  # what `kvreuse serve` should tell the operator at start
+    transfers: Any = None  # the engine's `Transfers` (bytes moved to and from its tiers)
 
     @property
     def token_limit(self) -> int:
@@ -73,13 +92,17 @@ def fake_backend(
     geometry: DeploymentSpec | None = None,
     name: str = "kvreuse-fake",
     num_blocks: int | None = None,
+    tiers: TierOptions | None = None,
 ) -> Backend:
-    """The test backend on `geometry` (default: `FAKE_GEOMETRY`, a small DCP4 hybrid)."""
+    """The test backend on `geometry` (default: `FAKE_GEOMETRY`, a small DCP4 hybrid), with
+    `tiers` below its cache (decided by the core; a fake model has no bytes to move)."""
     geo = load_geometry(FAKE_GEOMETRY, FAKE_NAME) if geometry is None else resolve(geometry)
     if num_blocks is not None:
         geo = replace(geo, cache=replace(geo.cache, num_blocks=num_blocks))
+    if tiers is not None:
+        geo = replace(geo, tiers=tiers.specs(geo))
     engine = ScriptedEngine(ContentTokens(), saves="at_end")
-    sched = Scheduler(KVCacheManager(geo.cache), engine, geo.sched)
+    sched = Scheduler(KVCacheManager(geo.cache, tiers=list(geo.tiers)), engine, geo.sched)
     return Backend(name, ByteTokenizer(), sched, geo.max_model_len or 2048, geo)
 
 
@@ -96,7 +119,10 @@ def served_name(engine_name: str, model: str | None) -> str:
 
 
 def default_backend(
-    model: str | None = None, geometry: DeploymentSpec | None = None, num_blocks: int | None = None
+    model: str | None = None,
+    geometry: DeploymentSpec | None = None,
+    num_blocks: int | None = None,
+    tiers: TierOptions | None = None,
 ) -> Backend:
     """The embedded tiny model (`kvreuse.engine.LLM`); needs the `engine` extra (torch)."""
     try:
@@ -109,6 +135,8 @@ def default_backend(
     kwargs: dict[str, Any] = {"num_blocks": num_blocks}
     if geometry is not None:
         kwargs["geometry"] = resolve(geometry)
+    if tiers is not None:
+        kwargs["tiers"] = _engine_tiers(model, kwargs.get("geometry"), tiers)
     llm = LLM(model, **kwargs)
     geo = kwargs.get("geometry")
     model_cfg = getattr(getattr(llm, "model", None), "config", None)
@@ -131,4 +159,28 @@ def default_backend(
         vocab if isinstance(vocab, int) else None,
         aliases=tuple({llm.model_name} - {name}),
         notes=notes,
+        transfers=llm.runner.transfers,
     )
+
+
+def _engine_tiers(
+    model: str | None, geometry: Deployment | None, tiers: TierOptions
+) -> list[tuple[TierSpec, Any]]:
+    """The LLM's tiers: the host's in this process's memory, the store's in Redis."""
+    from kvreuse.engine.hf import is_hf_model_dir
+    from kvreuse.engine.llm import DEFAULT_GEOMETRY
+    from kvreuse.engine.store import RedisBytes
+    from kvreuse.engine.tiers import BytesTier, HostTier
+
+    if geometry is None:  # the geometry LLM will pick
+        hf = model is not None and is_hf_model_dir(model)
+        geometry = resolve(model if hf and model is not None else DEFAULT_GEOMETRY)
+    out: list[tuple[TierSpec, Any]] = []
+    for spec in tiers.specs(geometry):
+        if spec.name == HOST_TIER:
+            out.append((spec, HostTier()))
+        else:
+            if tiers.store_url is None:
+                raise ValueError("--store-capacity needs --store-url (a Redis server) or --fake")
+            out.append((spec, BytesTier(RedisBytes(tiers.store_url), name=spec.name)))
+    return out

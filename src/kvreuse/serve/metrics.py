@@ -11,6 +11,18 @@ the manager), so a scrape sees the core's counters exactly: for any window,
 | kvreuse:kv_cache_usage_perc                   | vllm:kv_cache_usage_perc (gpu_cache_usage_perc) |
 | kvreuse:num_requests_running / _waiting       | vllm:num_requests_running / _waiting        |
 | kvreuse:num_preemptions_total                 | vllm:num_preemptions(_total)                |
+| kvreuse:prompt_tokens_by_source_total{source} | vllm:prompt_tokens_by_source(_total)        |
+| kvreuse:external_prefix_cache_queries_total   | vllm:external_prefix_cache_queries(_total)  |
+| kvreuse:external_prefix_cache_hits_total      | vllm:external_prefix_cache_hits(_total)     |
+| kvreuse:kv_offload_total_bytes_total          | vllm:kv_offload_total_bytes(_total)         |
+| kvreuse:kv_tier_usage_perc{tier}              | vllm:kv_offload_cpu_cache_usage_perc (host) |
+
+Per tier below the cache (label `tier`, and its KV events' `medium`) also
+kvreuse:kv_tier_hits_total (prompt tokens), kv_tier_loaded_blocks_total{group_kind},
+kv_tier_stored_blocks_total, kv_tier_evicted_blocks_total and kv_tier_blocks /
+kv_tier_capacity_blocks (gauges); `external_*` and the tier families appear only with tiers,
+and the bytes only where an engine moves them. Every prompt-token counter counts first
+admissions, as prefix_cache_* do, so Σ prompt_tokens_by_source == prefix_cache_queries.
 """
 
 from __future__ import annotations
@@ -76,6 +88,9 @@ def take_snapshot(backend: Backend, stats: LoopStats) -> dict[str, Any]:
     snap["num_preemptions"] = stats.preemptions
     snap["num_steps"] = stats.steps
     snap["request_finished"] = dict(stats.requests_finished)
+    moved = backend.transfers
+    if moved is not None and moved.media:
+        snap["transfers"] = dict(moved.bytes)
     return snap
 
 
@@ -114,6 +129,10 @@ class SnapshotCollector(Collector):
         for reason, v in sorted(s["request_finished"].items()):
             finished.add_metric([reason], float(v))
         yield finished
+        yield from _sources(s)
+        if "tiers" in s:
+            yield from _external(s)
+            yield from _tiers(s["tiers"], s.get("transfers"))
 
     def _labelled(self, s: Mapping[str, Any]) -> Iterator[Metric]:
         for key, name, label, doc in LABELLED:
@@ -131,3 +150,78 @@ def new_registry() -> tuple[CollectorRegistry, SnapshotCollector]:
     collector = SnapshotCollector()
     registry.register(collector)
     return registry, collector
+
+
+def _sources(s: Mapping[str, Any]) -> Iterator[Metric]:
+    """vLLM's split of prompt tokens: computed, hit on the device, loaded from a tier."""
+    queries, hits = s["prefix_cache_queries"], s["prefix_cache_hits"]
+    external = sum(t["hit_tokens"] for t in s.get("tiers", {}).values())
+    fam = CounterMetricFamily(
+        P + "prompt_tokens_by_source",
+        "Prompt tokens of first admissions by where they came from.",
+        labels=["source"],
+    )
+    for source, v in (
+        ("local_compute", queries - hits),
+        ("local_cache_hit", hits - external),
+        ("external_kv_transfer", external),
+    ):
+        fam.add_metric([source], float(v))
+    yield fam
+
+
+def _external(s: Mapping[str, Any]) -> Iterator[Metric]:
+    """vLLM's counters of a KV connector's lookups: here the tiers below the cache."""
+    yield CounterMetricFamily(
+        P + "external_prefix_cache_queries",
+        "Prompt tokens looked up in the cache and its tiers (first admissions).",
+        value=float(s["prefix_cache_queries"]),
+    )
+    yield CounterMetricFamily(
+        P + "external_prefix_cache_hits",
+        "Prompt tokens loaded from the tiers below the cache (first admissions).",
+        value=float(sum(t["hit_tokens"] for t in s["tiers"].values())),
+    )
+
+
+def _tiers(tiers: Mapping[str, Any], transfers: Mapping[str, int] | None) -> Iterator[Metric]:
+    """The families of the tiers below the cache (see the module's docstring)."""
+    labels = ["tier", "medium"]
+    per_tier = {
+        "kv_tier_hits": ("Prompt tokens loaded from the tier (first admissions).", "hit_tokens"),
+        "kv_tier_stored_blocks": ("Blocks copied into the tier.", "stored_blocks"),
+        "kv_tier_evicted_blocks": ("Tier slots freed to make room.", "evicted_blocks"),
+    }
+    for name, (doc, key) in per_tier.items():
+        fam = CounterMetricFamily(P + name, doc, labels=labels)
+        for tier, t in tiers.items():
+            fam.add_metric([tier, t["medium"]], float(t[key]))
+        yield fam
+    loaded = CounterMetricFamily(
+        P + "kv_tier_loaded_blocks", "Blocks loaded from the tier.", labels=[*labels, "group_kind"]
+    )
+    for tier, t in tiers.items():
+        for kind, v in sorted(t["loaded_blocks"].items()):
+            loaded.add_metric([tier, t["medium"], kind], float(v))
+    yield loaded
+    gauges = {
+        "kv_tier_blocks": "Blocks the tier holds.",
+        "kv_tier_capacity_blocks": "Blocks the tier has room for.",
+        "kv_tier_usage_perc": "Fraction of the tier's blocks in use (0..1).",
+    }
+    for name, doc in gauges.items():
+        gauge = GaugeMetricFamily(P + name, doc, labels=labels)
+        for tier, t in tiers.items():
+            held, room = t["held_blocks"], t["capacity_blocks"]
+            value = {"kv_tier_blocks": held, "kv_tier_capacity_blocks": room}.get(name)
+            gauge.add_metric([tier, t["medium"]], float(held / room if value is None else value))
+        yield gauge
+    if transfers is not None:
+        fam = CounterMetricFamily(
+            P + "kv_offload_total_bytes",
+            "Bytes moved between the cache and its tiers.",
+            labels=["transfer_type"],
+        )
+        for way, v in sorted(transfers.items()):
+            fam.add_metric([way], float(v))
+        yield fam

@@ -9,7 +9,7 @@ import argparse
 
 from kvreuse.events.options import add_arguments as add_kv_events
 from kvreuse.serve.ops_options import add_arguments as add_operator_options
-from kvreuse.sim.args import size
+from kvreuse.sim.args import add_tier_options, size
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,6 +23,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=size(2, 2**40),
         default=None,
         help="the cache's pool in blocks (default: the geometry's)",
+    )
+    add_tier_options(p, "the cache")
+    p.add_argument(
+        "--store-url",
+        default=None,
+        metavar="URL",
+        help="the Redis server that holds the store tier's bytes (redis://HOST:PORT/DB); "
+        "needed by --store-capacity unless --fake",
     )
     p.add_argument("--max-pending", type=int, default=256, help="requests in flight before 429")
     p.add_argument("--fake", action="store_true", help="deterministic fake model (no torch)")

@@ -13,8 +13,14 @@ import argparse
 import math
 import re
 from collections.abc import Callable
+from dataclasses import replace
 from decimal import Decimal, InvalidOperation
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from kvreuse.core.tiers import Admission, TierSpec
+
+if TYPE_CHECKING:
+    from kvreuse.deployment import Deployment
 
 UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 UNLIMITED = ("inf", "unlimited")
@@ -183,3 +189,27 @@ def add_tier_options(p: Any, where: str) -> None:
         "as soon as it is computed (write-through: replicas sharing the store then find a "
         "prefix another replica still holds)",
     )
+
+
+HOST_TIER, STORE_TIER = "host", "store"  # a fleet's replicas share the store (docs/tiers.md)
+
+
+def with_tiers(
+    geo: Deployment,
+    host_tokens: int | None,
+    store_tokens: int | None,
+    store_admission: str = "on-eviction",
+) -> Deployment:
+    """`geo` with a host and/or store tier, each sized in blocks as a pool of that many
+    tokens would be (the null block aside); the host's KV events say "CPU", as vLLM's. The
+    store admits every kind by `store_admission` (`--store-admission`)."""
+    rule = Admission(store_admission.replace("-", "_"))
+    tiers = [
+        TierSpec(name, geo.cache.blocks_for_request(tokens), medium=medium, default=default)
+        for name, medium, tokens, default in (
+            (HOST_TIER, "CPU", host_tokens, Admission.ON_EVICTION),
+            (STORE_TIER, "", store_tokens, rule),
+        )
+        if tokens is not None
+    ]
+    return replace(geo, tiers=(*geo.tiers, *tiers)) if tiers else geo

@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvreuse.core import Admission, ConfigError, TierSpec
+from kvreuse.core import ConfigError
 from kvreuse.deployment import (
     PRESETS,
     Deployment,
@@ -28,7 +28,7 @@ from kvreuse.deployment import (
     preset,
     resolve,
 )
-from kvreuse.sim.args import Help, add_tier_options, number, size
+from kvreuse.sim.args import Help, add_tier_options, number, size, with_tiers
 from kvreuse.sim.fit import check_fit, never_evicting_blocks
 from kvreuse.sim.progress import Progress
 from kvreuse.sim.report import PLOTS, summary_table, write_report
@@ -146,30 +146,6 @@ def read_inputs(args: argparse.Namespace) -> tuple[Deployment, list[WorkloadRequ
     geo = with_pool(geo, args.num_blocks, args.capacity_tokens)
     tiers = args.host_capacity, args.store_capacity, args.store_admission
     return with_tiers(geo, *tiers), workload
-
-
-HOST_TIER, STORE_TIER = "host", "store"  # a fleet's replicas share the store (docs/tiers.md)
-
-
-def with_tiers(
-    geo: Deployment,
-    host_tokens: int | None,
-    store_tokens: int | None,
-    store_admission: str = "on-eviction",
-) -> Deployment:
-    """`geo` with a host and/or store tier, each sized in blocks as a pool of that many
-    tokens would be (the null block aside); the host's KV events say "CPU", as vLLM's. The
-    store admits every kind by `store_admission` (`--store-admission`)."""
-    rule = Admission(store_admission.replace("-", "_"))
-    tiers = [
-        TierSpec(name, geo.cache.blocks_for_request(tokens), medium=medium, default=default)
-        for name, medium, tokens, default in (
-            (HOST_TIER, "CPU", host_tokens, Admission.ON_EVICTION),
-            (STORE_TIER, "", store_tokens, rule),
-        )
-        if tokens is not None
-    ]
-    return replace(geo, tiers=(*geo.tiers, *tiers)) if tiers else geo
 
 
 def with_pool(geo: Deployment, num_blocks: int | None, capacity_tokens: int | None) -> Deployment:

@@ -21,8 +21,8 @@ from typing import Any
 
 from kvreuse.core import ConfigError
 from kvreuse.deployment import Deployment, GeometryError, resolve
-from kvreuse.sim.args import Help, add_tier_options, int_range
-from kvreuse.sim.cli import clear_outputs, prepare_out, with_tiers
+from kvreuse.sim.args import Help, add_tier_options, int_range, with_tiers
+from kvreuse.sim.cli import clear_outputs, prepare_out
 from kvreuse.sim.cost import CostModel
 from kvreuse.sim.progress import Progress
 from kvreuse.sim.sweep import (

@@ -35,9 +35,8 @@ from kvreuse.deployment import (
     GeometryError,
 )
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT, POLICIES, TEXT_MATCH_THRESHOLD
-from kvreuse.sim.args import int_range, number
+from kvreuse.sim.args import STORE_TIER, int_range, number
 from kvreuse.sim.cli import (
-    STORE_TIER,
     check_fit_first,
     clear_outputs,
     prepare_out,

@@ -56,8 +56,8 @@ from kvreuse.fleet.simulation.summary import (
     too_large,
 )
 from kvreuse.sched import FakeEngine, Scheduler, Seq
+from kvreuse.sim.args import STORE_TIER
 from kvreuse.sim.blockchains import BlockChains
-from kvreuse.sim.cli import STORE_TIER
 from kvreuse.sim.cost import CostMeter, CostModel
 from kvreuse.sim.run import SimulationError
 from kvreuse.sim.workload import WorkloadRequest
