@@ -272,16 +272,25 @@ def _fleet_mooncake(saved: str | None = None) -> tuple[str, dict[str, Any]]:
     if saved is None:
         raise SystemExit("figures: run the command, then record fleet_mooncake --from its JSON")
     values: dict[str, Any] = {}
-    for s in json.loads(Path(saved).read_text(encoding="utf-8")):
-        pre = f"{s['trace']}.{s['policy']}"
-        local, pooled = s["hit_rate"], s["shared_tier"]["hit_rate_with_tier"]
-        values[f"{pre}.local"], values[f"{pre}.tier"] = local, pooled
-        values[f"{pre}.ratio"] = pooled / local if local else None
+    runs = json.loads(Path(saved).read_text(encoding="utf-8"))
+    for s in runs:
+        pre, case = f"{s['trace']}.{s['policy']}", s["case"]
+        values[f"{pre}.{case}"] = s["hit_rate"]
+        values[f"{pre}.{case}_ttft_s"] = s["ttft_mean_s"]
+        values[f"{pre}.{case}_wall_s"] = s.get("wall_seconds")
+        if case == "store":
+            store = s["tiers"]["store"]
+            values[f"{pre}.store_hit_tokens"] = store["hit_tokens"]
+            values[f"{pre}.store_load_s"] = store["load_seconds"]
+            continue
         values[f"{pre}.evicted"] = sum(r["evicted_blocks"] for r in s["per_replica"])
         p = s["prediction"] or {}
         values[f"{pre}.over_predicted"] = p.get("over_predicted")
         values[f"{pre}.mean_abs_error"] = p.get("mean_abs_error_tokens")
-        values[f"{pre}.wall_s"] = s.get("wall_seconds")
+    for s in runs:
+        pre = f"{s['trace']}.{s['policy']}"
+        local, pooled = values.get(f"{pre}.local"), values.get(f"{pre}.store")
+        values[f"{pre}.ratio"] = pooled / local if local and pooled is not None else None
     return command, values
 
 

@@ -119,3 +119,67 @@ def test_the_tiers_benchmark_compares_routing_with_and_without_the_tiers(tmp_pat
     assert all(x["params"]["reconciled"] and 0 <= x["value"] <= 1 for x in lines)
     assert lines[0]["params"]["predicted_host_tokens"] is not None
     assert lines[1]["params"]["predicted_host_tokens"] is None
+
+
+def test_a_sweep_compares_tier_setups_case_by_case(tmp_path: Path) -> None:
+    """`--tiers` repeated: every (setup, capacity) is a case, and each equals `kvreuse simulate`
+    run alone with that pool and those tiers; the table and the plot tell the setups apart."""
+    (tmp_path / "w.jsonl").write_text("\n".join(AGENT) + "\n")
+    args = ["sweep", "w.jsonl", "--geometry", "attention-16", "--capacity", "3K,10K"]
+    setups = ["--tiers", "none", "--tiers", "host=32K", "--tiers", "host=4K,store=28K"]
+    done = run_cli(*args, *setups, "--out", "s", "--quiet", "--jobs", "2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads((tmp_path / "s" / "sweep.json").read_text())["cases"]
+    want = [
+        (s, c) for s in ("device only", "host 32K", "host 4K + store 28K") for c in (3000, 10**4)
+    ]
+    assert [(r["tier_setup"], r["capacity_tokens"]) for r in rows] == want
+    options = {
+        "host 32K": ["--host-capacity", "32K"],
+        "host 4K + store 28K": ["--host-capacity", "4K", "--store-capacity", "28K"],
+    }
+    for i, row in enumerate(rows):
+        alone = [
+            "simulate",
+            "--geometry",
+            "attention-16",
+            "--capacity-tokens",
+            str(row["capacity_tokens"]),
+        ]
+        alone += [
+            *options.get(row["tier_setup"], []),
+            "w.jsonl",
+            "--out",
+            f"a{i}",
+            "--no-plots",
+            "--quiet",
+        ]
+        assert run_cli(*alone, cwd=tmp_path).returncode == 0
+        s = json.loads((tmp_path / f"a{i}" / "summary.json").read_text())
+        assert (row["cached_tokens"], row["hit_rate"]) == (s["hits"], s["hit_rate"])
+        assert row.get("tiers") == s.get("tiers")
+    # the tiers give back what the small pool evicted
+    by = {(r["tier_setup"], r["capacity_tokens"]): r for r in rows}
+    assert by["host 32K", 3000]["cached_tokens"] > by["device only", 3000]["cached_tokens"]
+    table = (tmp_path / "s" / "sweep.md").read_text()
+    assert "| tiers " in table and "| from tiers |" in table and "| host 4K + store 28K |" in table
+    assert (tmp_path / "s" / "hit_rate_vs_capacity.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    ("setup", "words"),
+    [
+        (["--tiers", "disk=3M"], "give none, or host=N and/or store=N"),
+        (["--tiers", "host=3M,host=4M"], "give none, or host=N and/or store=N"),
+        (["--tiers", "host=lots"], "--tiers: 'host=lots': host "),
+        (["--tiers", "none", "--tiers", "none"], "a setup is given twice"),
+        (["--tiers", "host=3M", "--host-capacity", "3M"], "leave out --host-capacity"),
+    ],
+)
+def test_a_bad_tier_setup_is_one_line(tmp_path: Path, setup: list[str], words: str) -> None:
+    (tmp_path / "w.jsonl").write_text("\n".join(AGENT) + "\n")
+    done = run_cli("sweep", "w.jsonl", "--geometry", "attention-16", "--out", "s", *setup,
+                   cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], done.stderr

@@ -1,11 +1,13 @@
-"""Sweeps: one simulation per (geometry, cache capacity), run side by side.
+"""Sweeps: one simulation per (geometry, tiers, cache capacity), run side by side.
 
 Each case is `kvreuse simulate` in-process on a copy of the geometry whose pool holds the
 case's capacity: C tokens become the blocks a geometry file's `capacity_tokens = C` asks for
 (`blocks_for_capacity`), and `inf` a pool no run of this workload can fill (nothing is ever
-evicted). Cases run on local worker processes (each parses the workload once), on a Ray
-cluster, or in this process, and every way gives the same rows: a case is a pure function of
-the workload, its geometry and its capacity.
+evicted). A case's tiers below the pool (a `TierSetup`: none, a host tier, a store, both) are
+sized as `kvreuse simulate --host-capacity` sizes them, whatever the pool. Cases run on local
+worker processes (each parses the workload once), on a Ray cluster, or in this process, and
+every way gives the same rows: a case is a pure function of the workload, its geometry, its
+tiers and its capacity.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvreuse.deployment import MAX_NUM_BLOCKS, Deployment, blocks_for_capacity, check_num_blocks
-from kvreuse.sim.args import parse_size
+from kvreuse.sim.args import parse_size, with_tiers
 from kvreuse.sim.cost import CostModel
 from kvreuse.sim.feed import static_length
 from kvreuse.sim.run import SimulationError, simulate
@@ -66,31 +68,71 @@ def capacity_label(capacity: int | None) -> str:
 
 
 @dataclass(frozen=True)
+class TierSetup:
+    """The tiers below a case's pool, in tokens (`--host-capacity`, `--store-capacity`)."""
+
+    host_tokens: int | None = None
+    store_tokens: int | None = None
+
+    @property
+    def label(self) -> str:
+        """'device only', 'host 30M', 'host 10M + store 20M'."""
+        sizes = (("host", self.host_tokens), ("store", self.store_tokens))
+        parts = [f"{name} {capacity_label(n)}" for name, n in sizes if n is not None]
+        return " + ".join(parts) or "device only"
+
+
+def parse_tier_setup(text: str) -> TierSetup:
+    """'none' → no tiers; 'host=30M', 'host=10M,store=20M' → those tiers."""
+    if text.strip().lower() == "none":
+        return TierSetup()
+    sizes: dict[str, int | None] = {}
+    for part in text.split(","):
+        name, sep, value = part.partition("=")
+        name = name.strip().lower()
+        if not sep or name not in ("host", "store") or name in sizes:
+            raise ValueError(
+                f"{text!r}: give none, or host=N and/or store=N once each, "
+                "comma-separated (host=10M,store=20M)"
+            )
+        try:
+            sizes[name] = parse_size(value, 1, MAX_CAPACITY)
+        except ValueError as exc:
+            raise ValueError(f"{text!r}: {name} {exc}") from None
+    return TierSetup(sizes.get("host"), sizes.get("store"))
+
+
+@dataclass(frozen=True)
 class Case:
     label: str  # the geometry as the command line named it
-    geo: Deployment  # its pool sized for `capacity`
+    geo: Deployment  # its pool sized for `capacity`, its tiers `tiers`
     capacity: int | None  # tokens; None: unlimited
+    tiers: str = "device only"  # the TierSetup's label
 
 
 def cases_for(
     geometries: list[tuple[str, Deployment]],
     capacities: list[int | None],
     workload: list[WorkloadRequest],
+    setups: tuple[TierSetup, ...] = (TierSetup(),),
+    store_admission: str = "on-eviction",
 ) -> list[Case]:
-    """Every (geometry, capacity), geometries outermost; a pool too large for this machine is a
-    ValueError naming the case."""
+    """Every (geometry, tier setup, capacity), in that order of nesting; a pool too large for
+    this machine is a ValueError naming the case."""
     lengths: list[int] | None = None
     out = []
     for label, geo in geometries:
-        for capacity in capacities:
-            if capacity is None:
-                lengths = lengths if lengths is not None else request_lengths(workload)
-                blocks = unlimited_blocks(geo, lengths)
-            else:
-                blocks = blocks_for_capacity(geo.cache, capacity)
-            check_num_blocks(blocks, f"{label} at capacity {capacity_label(capacity)}")
-            sized = replace(geo, cache=replace(geo.cache, num_blocks=blocks))
-            out.append(Case(label, sized, capacity))
+        for setup in setups:
+            tiered = with_tiers(geo, setup.host_tokens, setup.store_tokens, store_admission)
+            for capacity in capacities:
+                if capacity is None:
+                    lengths = lengths if lengths is not None else request_lengths(workload)
+                    blocks = unlimited_blocks(geo, lengths)
+                else:
+                    blocks = blocks_for_capacity(geo.cache, capacity)
+                check_num_blocks(blocks, f"{label} at capacity {capacity_label(capacity)}")
+                sized = replace(tiered, cache=replace(geo.cache, num_blocks=blocks))
+                out.append(Case(label, sized, capacity, setup.label))
     return out
 
 
@@ -149,11 +191,14 @@ def run_case(case: Case, workload: list[WorkloadRequest], draft_accept_rate: flo
         result = simulate(case.geo, workload, cost, None, draft_accept_rate, sink=collect)
     except (WorkloadError, SimulationError, ValueError) as exc:
         where = f"{case.label} at capacity {capacity_label(case.capacity)}"
+        if case.tiers != TierSetup().label:
+            where += f" ({case.tiers})"
         raise CaseError(f"{where}: {exc}") from None
     s = result.summary
     times = sorted(ttft)
     return {
         "geometry": case.label,
+        "tier_setup": case.tiers,
         "capacity_tokens": case.capacity,
         "num_blocks": case.geo.cache.num_blocks,
         "requests": s["requests"],

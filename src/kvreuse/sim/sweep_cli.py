@@ -1,6 +1,7 @@
 """`kvreuse sweep WORKLOAD.jsonl --geometry A --geometry B --capacity 1M,3M,inf --out DIR`.
 
-Every (geometry, capacity) is one `kvreuse simulate` run, in parallel on local processes
+Every (geometry, tiers, capacity) is one `kvreuse simulate` run (`--tiers none --tiers
+host=30M` compares tier setups below each pool), in parallel on local processes
 (`--jobs`, default: every core) or as Ray tasks (`--ray [ADDRESS]`). Prints one table and writes
 DIR/sweep.md (the table and the plots), DIR/sweep.json (every case's figures) and, unless
 --no-plots, DIR/hit_rate_vs_capacity.png and DIR/prefill_time.png. Exit codes: 0 done; 1 a
@@ -21,16 +22,18 @@ from typing import Any
 
 from kvreuse.core import ConfigError
 from kvreuse.deployment import Deployment, GeometryError, resolve
-from kvreuse.sim.args import Help, add_tier_options, int_range, with_tiers
+from kvreuse.sim.args import Help, add_tier_options, int_range
 from kvreuse.sim.cli import clear_outputs, prepare_out
 from kvreuse.sim.cost import CostModel
 from kvreuse.sim.progress import Progress
 from kvreuse.sim.sweep import (
     CaseError,
     Row,
+    TierSetup,
     capacity_label,
     cases_for,
     parse_capacities,
+    parse_tier_setup,
     run_cases,
     run_cases_on_ray,
 )
@@ -95,6 +98,15 @@ def add_parser(sub: Any) -> None:
         help="with num_spec_tokens > 0: probability that each draft token is accepted",
     )
     add_tier_options(p, "every case's pool")
+    p.add_argument(
+        "--tiers",
+        action="append",
+        type=_tier_setup,
+        metavar="SETUP",
+        help="tiers below every case's pool, as one setup to compare: none, host=N, store=N "
+        "or host=N,store=N (tokens, as --host-capacity); repeat it for each setup (instead "
+        "of --host-capacity and --store-capacity)",
+    )
     p.add_argument("--json", action="store_true", help="print sweep.json instead of the table")
     p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib)")
@@ -113,6 +125,25 @@ def _geometries(specs: list[str]) -> list[tuple[str, Deployment]]:
             raise GeometryError(f"--geometry {spec} is given twice")
         out.append((spec, resolve(spec)))
     return out
+
+
+def _tier_setup(text: str) -> TierSetup:
+    try:
+        return parse_tier_setup(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _setups(args: argparse.Namespace) -> tuple[TierSetup, ...]:
+    if args.tiers is None:
+        return (TierSetup(args.host_capacity, args.store_capacity),)
+    if args.host_capacity is not None or args.store_capacity is not None:
+        raise ValueError(
+            "--tiers gives each setup its sizes: leave out --host-capacity and --store-capacity"
+        )
+    if len(set(args.tiers)) != len(args.tiers):
+        raise ValueError("--tiers: a setup is given twice")
+    return tuple(args.tiers)
 
 
 def _check_options(args: argparse.Namespace) -> None:
@@ -134,13 +165,11 @@ def _check_options(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         capacities = parse_capacities(args.capacity)
+        setups = _setups(args)
         _check_options(args)
-        geometries = [
-            (label, with_tiers(geo, args.host_capacity, args.store_capacity, args.store_admission))
-            for label, geo in _geometries(args.geometry)
-        ]
+        geometries = _geometries(args.geometry)
         workload = read_workload(args.workload)
-        cases = cases_for(geometries, capacities, workload)
+        cases = cases_for(geometries, capacities, workload, setups, args.store_admission)
     except (GeometryError, ConfigError, WorkloadError, OSError, ValueError) as exc:
         return _fail(exc)
     clear_outputs(args.out, OUTPUTS)
@@ -186,7 +215,9 @@ def _verdict(rows: list[Row]) -> int:
 
 
 def _name(row: Row) -> str:
-    return f"{row['geometry']} at {capacity_label(row['capacity_tokens'])}"
+    tiers = row.get("tier_setup", "device only")
+    where = "" if tiers == "device only" else f" ({tiers})"
+    return f"{row['geometry']} at {capacity_label(row['capacity_tokens'])}{where}"
 
 
 def _write(
@@ -244,41 +275,42 @@ def _seconds(value: float | None) -> str:
     return "—" if value is None else f"{value:.3f}"
 
 
+def _tier_tokens(row: Row) -> int:
+    """Hit tokens the case's tiers gave back (first admissions)."""
+    tiers = row.get("tiers", {})
+    return sum(t["hit_tokens"] for t in tiers.values() if isinstance(t, dict))
+
+
 def sweep_table(rows: list[Row]) -> list[str]:
-    """One Markdown table row per case (readable as is on a terminal)."""
-    head = (
-        "geometry",
-        "capacity",
-        "blocks",
-        "hit rate",
-        "Σ cached",
-        "prefill tokens",
-        "prefill s",
-        "TTFT p50 s",
-        "p90 s",
-        "p99 s",
-        "preemptions",
-        "evicted",
-    )
-    cells = [
-        (
-            r["geometry"],
-            capacity_label(r["capacity_tokens"]),
-            f"{r['num_blocks']:,}",
-            f"{100 * r['hit_rate']:.1f} %",
-            f"{r['cached_tokens']:,}",
-            f"{r['prefill_tokens']:,}",
-            _seconds(r["prefill_seconds"]),
-            _seconds(r["ttft_p50_s"]),
-            _seconds(r["ttft_p90_s"]),
-            _seconds(r["ttft_p99_s"]),
-            f"{r['preemptions']:,}",
-            f"{r['evicted_blocks']:,}",
-        )
-        for r in rows
-    ]
-    widths = [max([len(h), *(len(c[i]) for c in cells)]) for i, h in enumerate(head)]
-    left = {0, 1}  # text columns; the numbers align right
+    """One Markdown table row per case (readable as is on a terminal); with tiers below a
+    pool, the case's tier setup and the hit tokens its tiers gave back."""
+    tiered = any(r.get("tier_setup", "device only") != "device only" for r in rows)
+
+    def cells(r: Row) -> list[tuple[str, str]]:
+        out = [("geometry", r["geometry"])]
+        out += [("tiers", r["tier_setup"])] if tiered else []
+        out += [
+            ("capacity", capacity_label(r["capacity_tokens"])),
+            ("blocks", f"{r['num_blocks']:,}"),
+            ("hit rate", f"{100 * r['hit_rate']:.1f} %"),
+            ("Σ cached", f"{r['cached_tokens']:,}"),
+        ]
+        out += [("from tiers", f"{_tier_tokens(r):,}")] if tiered else []
+        return [
+            *out,
+            ("prefill tokens", f"{r['prefill_tokens']:,}"),
+            ("prefill s", _seconds(r["prefill_seconds"])),
+            ("TTFT p50 s", _seconds(r["ttft_p50_s"])),
+            ("p90 s", _seconds(r["ttft_p90_s"])),
+            ("p99 s", _seconds(r["ttft_p99_s"])),
+            ("preemptions", f"{r['preemptions']:,}"),
+            ("evicted", f"{r['evicted_blocks']:,}"),
+        ]
+
+    head = tuple(h for h, _ in cells(rows[0])) if rows else ()
+    body = [tuple(v for _, v in cells(r)) for r in rows]
+    widths = [max([len(h), *(len(c[i]) for c in body)]) for i, h in enumerate(head)]
+    left = {i for i, h in enumerate(head) if h in ("geometry", "tiers", "capacity")}
 
     def line(values: tuple[str, ...]) -> str:
         parts = [
@@ -292,4 +324,4 @@ def sweep_table(rows: list[Row]) -> list[str]:
         + "|".join("-" * (w + 1) + ("-" if i in left else ":") for i, w in enumerate(widths))
         + "|"
     )
-    return [line(head), rule, *(line(c) for c in cells)]
+    return [line(head), rule, *(line(c) for c in body)]

@@ -1,5 +1,6 @@
 """The sweep's plots (matplotlib, headless): hit rate and simulated prefill time against the
-cache capacity, one line per geometry, capacity on a log axis with `inf` drawn at its end.
+cache capacity, one line per geometry (and per tier setup below the pool, where the sweep
+compares several), capacity on a log axis with `inf` drawn at its end.
 
 Geometries often agree at some capacities (every one reuses the same with an unlimited cache,
 say), and a line drawn over another hides it. Each geometry therefore has its own dash pattern
@@ -36,7 +37,8 @@ def write_plots(out: Path, rows: list[Row]) -> list[Path]:
     import matplotlib.pyplot as plt
 
     where, ticks, labels = _positions(rows)
-    geometries = list(dict.fromkeys(r["geometry"] for r in rows))
+    lines = list(dict.fromkeys(_line(r) for r in rows))
+    names = _line_names(lines)
     panels = (
         ("hit_rate_vs_capacity.png", "hit rate (%)", "hit rate against cache capacity"),
         ("prefill_time.png", "simulated prefill time (s)", "prefill time against cache capacity"),
@@ -44,9 +46,10 @@ def write_plots(out: Path, rows: list[Row]) -> list[Path]:
     paths = []
     for name, ylabel, title in panels:
         fig, ax = plt.subplots(figsize=(8.0, 4.5))
-        for i, geometry in enumerate(geometries):
+        for i, key in enumerate(lines):
             mine = sorted(
-                (where[r["capacity_tokens"]], r) for r in rows if r["geometry"] == geometry
+                ((where[r["capacity_tokens"]], r) for r in rows if _line(r) == key),
+                key=lambda xr: xr[0],
             )
             xs = [x for x, _ in mine]
             if name.startswith("hit_rate"):
@@ -59,7 +62,7 @@ def write_plots(out: Path, rows: list[Row]) -> list[Path]:
             ax.plot(
                 xs,
                 ys,
-                label=geometry,
+                label=names[key],
                 linestyle=DASHES[i % len(DASHES)],
                 marker=MARKERS[i % len(MARKERS)],
                 markersize=max(4.0, 12.0 - 2.5 * i),
@@ -70,7 +73,9 @@ def write_plots(out: Path, rows: list[Row]) -> list[Path]:
         ax.set_xscale("log")
         ax.set_xticks(ticks, labels)
         ax.minorticks_off()
-        ax.set_xlabel("cache capacity (tokens)")
+        ax.set_xlabel(
+            "device cache capacity (tokens)" if _tiered(lines) else "cache capacity (tokens)"
+        )
         ax.set_ylabel(ylabel)
         if name.startswith("hit_rate"):
             ax.set_ylim(0, 100)
@@ -84,3 +89,22 @@ def write_plots(out: Path, rows: list[Row]) -> list[Path]:
         fig.savefig(paths[-1], dpi=100)
         plt.close(fig)
     return paths
+
+
+def _line(row: Row) -> tuple[str, str]:
+    return row["geometry"], row.get("tier_setup", "device only")
+
+
+def _tiered(lines: list[tuple[str, str]]) -> bool:
+    return any(tiers != "device only" for _, tiers in lines)
+
+
+def _line_names(lines: list[tuple[str, str]]) -> dict[tuple[str, str], str]:
+    """A legend entry per line: the geometry, the tier setup, or both where both vary."""
+    geometries = {g for g, _ in lines}
+    setups = {t for _, t in lines}
+    if len(setups) == 1 and not _tiered(lines):
+        return {key: key[0] for key in lines}
+    if len(geometries) == 1:
+        return {key: key[1] for key in lines}
+    return {key: f"{key[0]}, {key[1]}" for key in lines}
