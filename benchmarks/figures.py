@@ -393,7 +393,35 @@ def _sweep_conversation(saved: str | None = None) -> tuple[str, dict[str, Any]]:
     return command, values
 
 
+def _tiers_sweep(saved: str | None = None) -> tuple[str, dict[str, Any]]:
+    """docs/tiers.md's sweep: hybrid-dcp4 on the conversation trace, per tier setup and device
+    capacity (`saved`: the --out folder): `SETUP.CAPACITY.FIELD`, the setup's label without
+    spaces ("device", "host30M", "host10M+store20M")."""
+    command = (
+        "kvreuse sweep conversation.jsonl --geometry hybrid-dcp4 --capacity 1M,3M,10M,33M,inf "
+        "--tiers none --tiers host=30M --tiers host=10M,store=20M --jobs 2 --out tiers-sweep"
+    )
+    if saved is None:
+        raise SystemExit("figures: run the command, then record tiers_sweep --from DIR")
+    from kvreuse.sim.sweep import capacity_label
+
+    doc = json.loads((Path(saved) / "sweep.json").read_text(encoding="utf-8"))
+    values: dict[str, Any] = {}
+    for case in doc["cases"]:
+        setup = case["tier_setup"].replace("device only", "device").replace(" ", "")
+        pre = f"{setup}.{capacity_label(case['capacity_tokens'])}"
+        values[f"{pre}.hit_rate"] = case["hit_rate"]
+        values[f"{pre}.ttft_p50_s"] = case["ttft_p50_s"]
+        tiers = case.get("tiers", {})
+        values[f"{pre}.tier_hit_tokens"] = sum(
+            t["hit_tokens"] for t in tiers.values() if isinstance(t, dict)
+        )
+    values["wall_s"] = round(sum(case.get("wall_s", 0.0) for case in doc["cases"]), 1)
+    return command, values
+
+
 RECIPES: dict[str, Callable[..., tuple[str, dict[str, Any]]]] = {
+    "tiers_sweep": _tiers_sweep,
     "sweep_conversation": _sweep_conversation,
     "events": _events,
     "fleet_load_weight": _fleet_load_weight,
