@@ -13,6 +13,10 @@ excluded). Prints one JSON line per case and round, then a summary line with the
 case and the ratio ×4 / ×1 (linear is 4.0):
 
     python benchmarks/fleet_scale.py TRACE.jsonl [--rounds 1] [--capacity-tokens 3000000]
+        [--no-fast-forward]
+
+`--no-fast-forward` steps every replica through the scheduler's own step (the reference the
+fast-forward is held equal to), for the figures before and after.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ def repeat_trace(lines: list[str], times: int) -> list[str]:
     return out
 
 
-def child(path: str, replicas: int, capacity_tokens: int) -> dict[str, Any]:
+def child(path: str, replicas: int, capacity_tokens: int, fast: bool) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from fleet_bench import import_trace, node  # this folder: benchmarks/fleet_bench.py
 
@@ -50,7 +54,7 @@ def child(path: str, replicas: int, capacity_tokens: int) -> dict[str, Any]:
     workload = import_trace(path)
     if isinstance(workload, str):
         raise SystemExit(f"fleet_scale: {path}: {workload}")
-    options = FleetOptions(replicas=replicas)
+    options = FleetOptions(replicas=replicas, fast_forward=fast)
     t0, w0 = time.process_time(), time.perf_counter()
     summary, _ = simulate_fleet(node(capacity_tokens), workload, options, sink=lambda row: None)
     return {
@@ -65,6 +69,7 @@ def run_case(trace: str, repeat: int, args: argparse.Namespace) -> dict[str, Any
     cmd = [
         sys.executable, __file__, "--child", trace,
         "--replicas", str(args.replicas), "--capacity-tokens", str(args.capacity_tokens),
+        *(["--no-fast-forward"] if args.no_fast_forward else []),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
@@ -80,9 +85,11 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--capacity-tokens", type=int, default=3_000_000, help="per replica")
     ap.add_argument("--rounds", type=int, default=1, help="alternating rounds (median taken)")
+    ap.add_argument("--no-fast-forward", action="store_true", help="the step-by-step reference")
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.trace, args.replicas, args.capacity_tokens)))
+        fast = not args.no_fast_forward
+        print(json.dumps(child(args.trace, args.replicas, args.capacity_tokens, fast)))
         return
     try:
         lines = Path(args.trace).read_text().splitlines()

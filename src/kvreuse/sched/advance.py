@@ -239,9 +239,22 @@ class FastForward:
         if lanes:
             saved, num_chunks = self._run(lanes, stats)
         self.script.record(stats.num_scheduled_tokens, saved, num_chunks)
+        if mgr.tiers.writes_through:  # as the scheduler's step ends: a shared tier is free
+            sched.hand_tier_ops()
         sched.num_steps += 1
         self.step_index += 1
         return stats
+
+    def num_running_tokens(self) -> int:
+        """Σ num_tokens of the running requests as `Scheduler.step()` would have left them:
+        during a stretch the `Seq`s of decoding requests lag behind the steps taken."""
+        if not self.open:
+            return sum(s.num_tokens for s in self.sched.running)
+        k = self.step_index
+        return sum(
+            lane.seq.num_tokens if lane.prefill else lane.t_at(k) + 1
+            for lane in self.lanes.values()
+        )
 
     def quiet_steps(self) -> int:
         """How many of the next steps surely do nothing but decode (no event is due, no chunk

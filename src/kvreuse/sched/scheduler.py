@@ -166,15 +166,15 @@ class Scheduler:
                 self.mgr.commit_batch(step.step_id, outcomes)
             self._apply(step, outcomes, stats)
         elif step.tier_ops:  # nothing to compute, but copies decided since the last step
-            self._run_tier_ops(step)
+            self.hand_tier_ops(step)
         self._finish_done(stats)
         if self.mgr.tiers.writes_through:
-            self._run_tier_ops()
+            self.hand_tier_ops()
         self.num_steps += 1
         return stats
 
     # ------------------------------------------------------------------ parts of a step
-    def _run_tier_ops(self, step: StepPlan | None = None) -> None:
+    def hand_tier_ops(self, step: StepPlan | None = None) -> None:
         """Tier ops outside a forward: a plan's with no request (`step`), or the write-through
         copies of what this step's commit and finishes published, so that a tier shared with
         other replicas is free when the step ends. An engine without `run_tier_ops` gets a

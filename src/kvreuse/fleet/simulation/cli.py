@@ -200,6 +200,7 @@ def _run(
         draft_accept_rate=args.draft_accept_rate,
         router_options=(("text_threshold", args.text_match_threshold),),
         score_tiers=not getattr(args, "device_only_routing", False),
+        fast_forward=not getattr(args, "no_fast_forward", False),
     )
     start = time.perf_counter()
     with rows_path.open("w", encoding="utf-8") as rows:

@@ -55,7 +55,7 @@ from kvreuse.fleet.simulation.summary import (
     reconcile,
     too_large,
 )
-from kvreuse.sched import FakeEngine, Scheduler, Seq
+from kvreuse.sched import FakeEngine, FastForward, Scheduler, Seq, StepStats
 from kvreuse.sim.args import STORE_TIER
 from kvreuse.sim.blockchains import BlockChains
 from kvreuse.sim.cost import CostMeter, CostModel
@@ -76,6 +76,7 @@ class FleetOptions:
     draft_accept_rate: float = 0.7
     router_options: tuple[tuple[str, Any], ...] = ()  # text_threshold, text_imbalance, …
     score_tiers: bool = True  # the router hears the tiers' events and prices their loads
+    fast_forward: bool = True  # each replica's decode steps call the core only at events
 
     def __post_init__(self) -> None:
         if type(self.replicas) is not int or not 1 <= self.replicas <= 1024:
@@ -99,11 +100,14 @@ class _Replica:
         cost: CostModel,
         accept_rate: float,
         tiers: bool,
+        fast_forward: bool = True,
     ) -> None:
         self.index = index
         self.mgr = KVCacheManager(replace(dep.cache, enable_events=True), tiers=below)
         self.meter = CostMeter(FakeEngine(accept_rate=accept_rate), cost, self.mgr)
         self.sched = Scheduler(self.mgr, self.meter, dep.sched)
+        script = self.meter.decode_script() if fast_forward else None
+        self.fast = None if script is None else FastForward(self.sched, script)
         self.converter = Converter(self.mgr.geo, tiers=tiers)
         self.queue: deque[_Queued] = deque()  # routed, not yet handed to the scheduler
         self.queue_tokens = 0
@@ -116,6 +120,25 @@ class _Replica:
 
     def has_work(self) -> bool:
         return bool(self.queue) or self.sched.has_work()
+
+    def take_step(self) -> StepStats:
+        """One step, as `Scheduler.step()` takes it: through the fast-forward where the batch
+        allows (kvreuse.sched.advance: the core is called only at a request's events, and
+        every step is still one step of this replica, with the same stats, events and
+        timings), else the scheduler's own."""
+        fast = self.fast
+        if fast is not None and (fast.open or fast.begin()):
+            st = fast.step()  # None: closed, everything up to date for the scheduler's step
+            if st is not None:
+                if not self.sched.has_work():
+                    fast.close()
+                return st
+        return self.sched.step()
+
+    def running_tokens(self) -> int:
+        if self.fast is not None:
+            return self.fast.num_running_tokens()
+        return sum(s.num_tokens for s in self.sched.running)
 
 
 def simulate_fleet(
@@ -164,7 +187,7 @@ class _FleetRun:
         self.store = None if spec is None else SharedTier(spec, dep.cache, enable_events=True)
         below = [self.store if s is spec and self.store is not None else s for s in dep.tiers]
         self.replicas = [
-            _Replica(i, dep, below, cost, options.draft_accept_rate, scored)
+            _Replica(i, dep, below, cost, options.draft_accept_rate, scored, options.fast_forward)
             for i in range(options.replicas)
         ]
         media = [s.medium for s in dep.tiers] if scored else []
@@ -249,7 +272,7 @@ class _FleetRun:
             q = rep.queue.popleft()
             sched.add(q.request, q.max_tokens)
             rep.queue_tokens -= len(q.request.prompt_token_ids)
-        st = sched.step()
+        st = rep.take_step()
         self.num_steps += 1
         end = now + rep.meter.step_time(st.num_prefill_tokens, st.num_decode_tokens)
         rep.peak_used = max(rep.peak_used, st.num_used_blocks)
@@ -266,7 +289,7 @@ class _FleetRun:
         rep.done = [sched.pop_finished(rid) for rid in (*st.finished, *st.rejected)]
         rep.admitted = st.admitted
         rep.events = rep.converter.convert(rep.mgr.take_events())
-        tokens = sum(s.prompt_len for s in sched.waiting) + sum(s.num_tokens for s in sched.running)
+        tokens = sum(s.prompt_len for s in sched.waiting) + rep.running_tokens()
         requests = len(sched.waiting) + len(sched.running) + len(rep.queue)
         self.router.set_load(rep.index, tokens + rep.queue_tokens, requests)
         rep.busy = True
