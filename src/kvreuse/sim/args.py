@@ -17,7 +17,7 @@ from dataclasses import replace
 from decimal import Decimal, InvalidOperation
 from typing import TYPE_CHECKING, Any
 
-from kvreuse.core.tiers import Admission, TierSpec
+from kvreuse.core import Admission, TierSpec
 
 if TYPE_CHECKING:
     from kvreuse.deployment import Deployment

@@ -281,11 +281,10 @@ class _FleetRun:
             track = tracks[rid]
             if track.admitted_at is None:
                 track.admitted_at = now
-        for seq in sched.running:
-            if seq.output:
-                track = tracks[seq.request_id]
-                if track.first_token_at is None:
-                    track.first_token_at = end
+        for rid in st.first_output:  # (one that finished in this step ends at `end` too)
+            track = tracks[rid]
+            if track.first_token_at is None:
+                track.first_token_at = end
         rep.done = [sched.pop_finished(rid) for rid in (*st.finished, *st.rejected)]
         rep.admitted = st.admitted
         rep.events = rep.converter.convert(rep.mgr.take_events())
