@@ -117,6 +117,8 @@ def _tier_option_error(args: argparse.Namespace) -> str | None:
         return "--store-capacity needs --store-url redis://HOST:PORT (the store's bytes) or --fake"
     if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
         return f"--store-url must be a redis://, rediss:// or unix:// URL, got {url!r}"
+    if args.store_shared and url is None:
+        return "--store-shared needs --store-url and --store-capacity (the store they share)"
     return None
 
 
@@ -138,7 +140,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if metrics is not None:
             sockets.append(metrics)
         tiers = TierOptions(
-            args.host_capacity, args.store_capacity, args.store_admission, args.store_url
+            args.host_capacity,
+            args.store_capacity,
+            args.store_admission,
+            args.store_url,
+            args.store_shared,
         )
         if args.fake:
             backend = fake_backend(args.geometry, num_blocks=args.num_blocks, tiers=tiers)

@@ -20,6 +20,7 @@ from kvreuse.core import (
     Admission,
     ConfigError,
     Demote,
+    InvariantError,
     Load,
     SharedTier,
     SharedTierBusyError,
@@ -102,15 +103,27 @@ def test_replicas_sharing_a_store_agree_with_the_oracle(
     rounds: int,
 ) -> None:
     drivers, store, _ = fleet(cfg, seed, num_replicas, store_blocks, host_blocks, admission)
+    store.record()  # and a copy, as another process holds one, kept equal by the journal
+    copy = SharedTier(store.spec, cfg)
     page = max(g.page_size for g in cfg.geometry.groups)
     max_len = min(3 * page + 5, 120)
     engines = [FleetEngine(d, max_len, drivers) for d in drivers]
     rng = random.Random(seed ^ 0x5EED)
     for _ in range(rounds):
         rng.choice(engines).run(1)  # one replica's step at a time (the sharing rule)
+        copy.replay(store.take_journal())
+        assert_same_tier(copy, store)
     for drv in drivers:
         drv.check()
     assert not store.pinned
+
+
+def assert_same_tier(a: SharedTier, b: SharedTier) -> None:
+    """Slot for slot, key for key, in the same LRU order and with the same free slots."""
+    assert {s: (e.group_id, e.keys) for s, e in a.slots.items()} == {
+        s: (e.group_id, e.keys) for s, e in b.slots.items()
+    }
+    assert a.index == b.index and list(a.order) == list(b.order) and a._free == b._free
 
 
 def test_the_property_loads_from_the_store_across_replicas() -> None:
@@ -211,3 +224,31 @@ def test_a_lookup_made_before_another_managers_step_is_stale() -> None:
     with pytest.raises(StaleLookupError):
         b.allocate("t3", 1, lookup=res)
     assert b.allocate("t3", 1, lookup=b.lookup("t3")) is not None
+
+
+def test_a_copy_between_its_turns_refuses_any_change() -> None:
+    """A copy of the store in another process may change only in its turn: outside it, a
+    demote that would change its slots is one loud error, and the copy is as it was."""
+    store = SharedTier(TierSpec("store", 16), CFG)
+    a = KVCacheManager(CFG, tiers=[store])
+    run_one(a, "doc", list(range(17)))
+    store.close_turn()
+    before = dict(store.slots)
+    with pytest.raises(SharedTierBusyError, match="outside this replica's turn"):
+        run_one(a, "flood", list(range(100, 118)))  # evicts doc's pages into the store
+    assert store.slots == before
+    store.open_turn()
+
+
+def test_a_replay_that_does_not_fit_its_copy_is_refused() -> None:
+    store = SharedTier(TierSpec("store", 16), CFG)
+    store.record()
+    a = KVCacheManager(CFG, tiers=[store])
+    run_one(a, "doc", list(range(17)))
+    run_one(a, "flood", list(range(100, 118)))
+    changes = store.take_journal()
+    assert any(c[0] == "place" for c in changes)
+    drifted = SharedTier(TierSpec("store", 16), CFG)
+    drifted.replay([c for c in changes if c[0] == "place"][:1])  # one placement ahead
+    with pytest.raises(InvariantError, match="replay drifted"):
+        drifted.replay(changes)

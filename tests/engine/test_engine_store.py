@@ -6,7 +6,9 @@ what that replica loads; replicas of another model keep apart."""
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from kvreuse.engine.store import RedisBytes, StoreUnavailable
 from kvreuse.engine.tiers import BytesTier, HostTier
 from kvreuse.events import Converter, StoreMirror
 from kvreuse.fleet.routing.router import Router
+from kvreuse.serve.store_turns import decode
 
 GEOMETRY = "tiny-hybrid-dcp4"
 POOL = 12
@@ -195,3 +198,96 @@ def test_serve_keeps_its_store_tier_in_the_server(url: str) -> None:
     assert 'kvreuse:kv_offload_total_bytes_total{transfer_type="STORE_to_GPU"}' in text
     keys = RedisBytes(url).client.keys("kvreuse:*")
     assert len(keys) >= store["held_blocks"] > 0  # the slots' bytes are in the server
+
+
+def _complete(base: str, model: str, prompt: str) -> tuple[str, int]:
+    import httpx
+
+    body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    r = httpx.post(base + "/v1/completions", json=body, timeout=60).json()
+    return r["choices"][0]["text"], r["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_servers_share_one_store_through_the_server(url: str) -> None:
+    """Two servers (`--store-shared`), each with its own copy of the store's index: what one
+    writes through is a hit on the other, their copies stay equal slot for slot, and each
+    answers as a cold request does."""
+    from kvreuse.serve import fake_backend
+    from kvreuse.serve.app import create_app
+    from kvreuse.serve.backend import TierOptions
+    from kvreuse.serve.server import ServerThread
+
+    tiers = TierOptions(
+        store_tokens=20_000, store_url=url, store_admission="write-through", store_shared=True
+    )
+    a, b = (fake_backend(num_blocks=40, tiers=tiers) for _ in range(2))
+    cold = fake_backend(num_blocks=40)
+    with (
+        ServerThread(create_app(a)) as ua,
+        ServerThread(create_app(b)) as ub,
+        ServerThread(create_app(cold)) as uc,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        prompt = "a document both servers read " * 10
+        first, hit_a = _complete(ua, "kvreuse-fake", prompt)
+        again, hit_b = _complete(ub, "kvreuse-fake", prompt)  # b never saw it
+        alone, _ = _complete(uc, "kvreuse-fake", prompt)
+        for i in range(6):  # both at once: their steps take turns over the store
+            text = f"turn {i} " * 30
+            both = list(pool.map(_complete, (ua, ub), ["kvreuse-fake"] * 2, [text] * 2))
+            assert both[0][0] == both[1][0] == _complete(uc, "kvreuse-fake", text)[0]
+        _complete(ub, "kvreuse-fake", "the last turn is b's " * 3)
+    assert hit_a == 0 and hit_b > 0 and first == again == alone
+    assert b.mgr.metrics()["tiers"]["store"]["hit_tokens"] >= hit_b > 0
+    # b took the last turn: a copy that replays the whole journal is b's, slot for slot
+    sb = b.mgr.tiers.shared[0]
+    assert isinstance(sb, SharedTier) and len(sb) > 0
+    rebuilt = SharedTier(sb.spec, sb.config)
+    journal = RedisBytes(url).client.lrange(b.scheduler.turn.__self__.log_key, 0, -1)
+    for raw in journal:
+        rebuilt.replay(decode(raw))
+    assert {s: e.keys for s, e in rebuilt.slots.items()} == {s: e.keys for s, e in sb.slots.items()}
+    assert list(rebuilt.order) == list(sb.order) and rebuilt._free == sb._free
+
+
+def test_two_server_processes_share_the_store(url: str, tmp_path: Path) -> None:
+    """`kvreuse serve --store-shared` twice, as separate processes on the tiny model: a prompt
+    computed on one is loaded from the store by the other, with the cold answer's tokens."""
+    import re
+    import subprocess
+    import sys
+
+    args = ["--num-blocks", "16", "--store-capacity", "20K", "--store-url", url]
+    args += ["--store-admission", "write-through", "--store-shared", "--port", "0"]
+    procs, urls = [], []
+    try:
+        for i in range(2):
+            log = (tmp_path / f"serve{i}.log").open("w+")
+            procs.append((subprocess.Popen(
+                [sys.executable, "-m", "kvreuse", "serve", *args],
+                stdout=log, stderr=subprocess.STDOUT, text=True,
+            ), log))  # fmt: skip
+        for proc, log in procs:
+            for _ in range(1200):
+                found = re.search(
+                    r" on (http://\S+)/v1", (tmp_path / Path(log.name).name).read_text()
+                )
+                if found or proc.poll() is not None:
+                    break
+                time.sleep(0.1)
+            assert found, (tmp_path / Path(log.name).name).read_text()
+            urls.append(found.group(1))
+        import httpx
+
+        model = httpx.get(urls[0] + "/v1/models").json()["data"][0]["id"]
+        prompt = "The store is shared by two processes. " * 6
+        cold, hit_cold = _complete(urls[0], model, prompt)
+        warm, hit_warm = _complete(urls[1], model, prompt)
+        metrics = httpx.get(urls[1] + "/metrics").text
+    finally:
+        for proc, log in procs:
+            proc.terminate()
+            proc.wait(timeout=30)
+            log.close()
+    assert hit_cold == 0 and hit_warm > 0 and warm == cold
+    assert 'kvreuse:kv_offload_total_bytes_total{transfer_type="STORE_to_GPU"}' in metrics

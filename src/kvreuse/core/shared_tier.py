@@ -33,17 +33,28 @@ Rules that keep it exact:
   replica, whose streams reach it in another order.
 * A manager's `reset()` leaves a shared tier alone: its bytes belong to the namespace, not to
   that replica's weights.
+
+Managers in other processes share a tier by each holding a copy of it and passing its changes
+on: with `record()` the tier writes every change to its slots (a placement, a removal, an
+extension, a touch of its LRU order) to a journal, in order, and `replay()` makes those
+changes on another copy, which then equals it slot for slot. Between turns a copy refuses any
+change (`close_turn()`), so a change made outside a turn is a loud error, never a copy that
+silently differs. Who holds the turn and where the journal lives is the engine's
+(kvreuse.engine.store).
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import astuple
+from typing import Any, cast
 
 from kvreuse.core.config import CacheConfig
-from kvreuse.core.errors import ConfigError
+from kvreuse.core.errors import ConfigError, InvariantError, SharedTierBusyError
 from kvreuse.core.events import Event, EventLog
-from kvreuse.core.tiers import Tier, TierOp, TierSpec, TierStack
+from kvreuse.core.tiers import Keys, Slot, Tier, TierOp, TierSpec, TierStack
+
+Change = tuple[object, ...]  # ("place", slot, group id, keys) | ("take", slot) | …
 
 
 def layout_of(config: CacheConfig) -> tuple[object, ...]:
@@ -96,6 +107,75 @@ class SharedTier(Tier):
     def take_events(self) -> list[Event]:
         """The tier's index changes since the last call, in the order they happened."""
         return self.events.take(self.config.geometry)
+
+    # ------------------------------------------------------------------ copies elsewhere
+    journal: list[Change] | None = None  # with `record()`: the changes since `take_journal`
+    closed = False  # between two turns of a copy shared through a journal: no change
+
+    def record(self) -> None:
+        """From now on, every change to the slots goes to the journal."""
+        self.journal = []
+
+    def take_journal(self) -> list[Change]:
+        out, self.journal = self.journal or [], [] if self.journal is not None else None
+        return out
+
+    def open_turn(self) -> None:
+        self.closed = False
+
+    def close_turn(self) -> None:
+        self.closed = True
+
+    def _change(self, change: Change) -> None:
+        if self.closed:
+            raise SharedTierBusyError(
+                f"shared tier {self.spec.name!r} changed outside this replica's turn: its "
+                "copies in other processes would no longer agree"
+            )
+        if self.journal is not None:
+            self.journal.append(change)
+
+    def touch(self, slot: int) -> None:
+        self._change(("touch", slot))
+        super().touch(slot)
+
+    def take(self, slot: int) -> tuple[Slot, Keys]:
+        self._change(("take", slot))
+        return super().take(slot)
+
+    def place(self, entry: Slot) -> tuple[int, Keys]:
+        self._change(("place", self._free[-1] if self._free else -1, entry.group_id, entry.keys))
+        return super().place(entry)
+
+    def extend(self, slot: int, keys: Keys) -> Keys:
+        self._change(("extend", slot, list(keys)))
+        return super().extend(slot, keys)
+
+    def clear(self) -> None:
+        self._change(("clear",))
+        super().clear()
+
+    def replay(self, changes: list[Change]) -> None:
+        """Make another copy's changes here, in their order (they bump `version`, so a lookup
+        made before them is stale). InvariantError if this copy has drifted from that one."""
+        for change in changes:
+            op, args = change[0], cast(tuple[Any, ...], change[1:])
+            if op == "touch":
+                Tier.touch(self, args[0])
+            elif op == "take":
+                Tier.take(self, args[0])
+            elif op == "place":
+                slot, gid, keys = args
+                if Tier.place(self, Slot(gid, list(keys)))[0] != slot:
+                    raise InvariantError(f"shared tier {self.spec.name!r}: replay drifted")
+            elif op == "extend":
+                Tier.extend(self, args[0], list(args[1]))
+            elif op == "clear":
+                Tier.clear(self)
+            else:
+                raise InvariantError(f"shared tier {self.spec.name!r}: unknown change {op!r}")
+        if changes:
+            self.version += 1  # (each change bumped it already; touches did not)
 
 
 class TierTurns:

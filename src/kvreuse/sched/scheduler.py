@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +90,9 @@ class Scheduler:
         self.running: list[Seq] = []  # in admission order: the last is the preemption victim
         self.seqs: dict[str, Seq] = {}
         self.num_steps = 0
+        # a store shared with other processes: each step and abort is one turn over it
+        # (kvreuse.serve.store_turns); None: no such tier
+        self.turn: Callable[[], AbstractContextManager[None]] | None = None
         geo = mgr.config.geometry
         # per group, what a request of N tokens must hold at once, at least (its kind's
         # `min_blocks_held`: every page of a full-attention group, one page of a window group, a
@@ -126,7 +130,11 @@ class Scheduler:
         seq = self.seqs[request_id]
         if seq.finished:
             return  # already finished (or aborted): nothing to free
-        seq.stats = self.mgr.finish(request_id)
+        if self.turn is not None:
+            with self.turn():  # a hybrid's finish may write its state through to the store
+                seq.stats = self.mgr.finish(request_id)
+        else:
+            seq.stats = self.mgr.finish(request_id)
         seq.finish_reason = "abort"
         self._drop(seq)
 
@@ -151,6 +159,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> StepStats:
+        if self.turn is None:
+            return self._step()
+        with self.turn():
+            return self._step()
+
+    def _step(self) -> StepStats:
         stats = StepStats(0, 0, 0, 0, [], [], [], [])
         budget = self._grow_running(stats, self.config.max_num_batched_tokens)
         self.admit_waiting(stats, budget)

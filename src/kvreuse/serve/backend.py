@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvreuse.core import KVCacheManager, TierSpec
+from kvreuse.core import KVCacheManager, SharedTier, TierSpec
 from kvreuse.deployment import Deployment, DeploymentSpec, load_geometry, resolve
 from kvreuse.sched import ContentTokens, Scheduler, ScriptedEngine
 from kvreuse.sim.args import HOST_TIER, with_tiers
@@ -54,10 +54,40 @@ class TierOptions:
     store_tokens: int | None = None
     store_admission: str = "on-eviction"
     store_url: str | None = None
+    store_shared: bool = False  # with the other servers of this model on `store_url`
 
     def specs(self, dep: Deployment) -> tuple[TierSpec, ...]:
         bare = replace(dep, tiers=())
         return with_tiers(bare, self.host_tokens, self.store_tokens, self.store_admission).tiers
+
+    def below(self, dep: Deployment) -> list[TierSpec | SharedTier]:
+        """The tiers for a manager of `dep`: the store a `SharedTier` when it is shared."""
+        return [
+            SharedTier(s, dep.cache) if self.store_shared and s.name != HOST_TIER else s
+            for s in self.specs(dep)
+        ]
+
+
+def share_store(sched: Scheduler, tiers: TierOptions, namespace: str | None = None) -> None:
+    """Give `sched` its turns over the store it shares with other servers
+    (kvreuse.serve.store_turns): `namespace`, the store's bytes' (the engine's), else one of
+    the cache layout's alone (the fake backend, which keeps no bytes)."""
+    from kvreuse.serve.store_turns import StoreTurns
+
+    shared = sched.mgr.tiers.shared
+    if not shared or tiers.store_url is None:
+        return
+    import redis
+
+    tier = shared[0]
+    assert isinstance(tier, SharedTier)
+    client = redis.Redis.from_url(tiers.store_url, socket_timeout=5, socket_connect_timeout=5)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        raise RuntimeError(f"cannot reach the store at {tiers.store_url} ({exc})") from None
+    ns = namespace or f"fake:{tier.namespace}:{tier.spec.name}"
+    sched.turn = StoreTurns(tier, client, ns).turn
 
 
 @dataclass
@@ -99,10 +129,13 @@ def fake_backend(
     geo = load_geometry(FAKE_GEOMETRY, FAKE_NAME) if geometry is None else resolve(geometry)
     if num_blocks is not None:
         geo = replace(geo, cache=replace(geo.cache, num_blocks=num_blocks))
+    below = [] if tiers is None else tiers.below(geo)
     if tiers is not None:
         geo = replace(geo, tiers=tiers.specs(geo))
     engine = ScriptedEngine(ContentTokens(), saves="at_end")
-    sched = Scheduler(KVCacheManager(geo.cache, tiers=list(geo.tiers)), engine, geo.sched)
+    sched = Scheduler(KVCacheManager(geo.cache, tiers=below), engine, geo.sched)
+    if tiers is not None and tiers.store_shared:
+        share_store(sched, tiers)
     return Backend(name, ByteTokenizer(), sched, geo.max_model_len or 2048, geo)
 
 
@@ -138,6 +171,9 @@ def default_backend(
     if tiers is not None:
         kwargs["tiers"] = _engine_tiers(model, kwargs.get("geometry"), tiers)
     llm = LLM(model, **kwargs)
+    if tiers is not None and tiers.store_shared:
+        held = [b for spec, b in kwargs["tiers"] if isinstance(spec, SharedTier)]
+        share_store(llm.scheduler, tiers, held[0].prefix.rstrip(":"))
     geo = kwargs.get("geometry")
     model_cfg = getattr(getattr(llm, "model", None), "config", None)
     vocab = getattr(model_cfg, "vocab_size", None)
@@ -165,7 +201,7 @@ def default_backend(
 
 def _engine_tiers(
     model: str | None, geometry: Deployment | None, tiers: TierOptions
-) -> list[tuple[TierSpec, Any]]:
+) -> list[tuple[TierSpec | SharedTier, Any]]:
     """The LLM's tiers: the host's in this process's memory, the store's in Redis."""
     from kvreuse.engine.hf import is_hf_model_dir
     from kvreuse.engine.llm import DEFAULT_GEOMETRY
@@ -175,12 +211,13 @@ def _engine_tiers(
     if geometry is None:  # the geometry LLM will pick
         hf = model is not None and is_hf_model_dir(model)
         geometry = resolve(model if hf and model is not None else DEFAULT_GEOMETRY)
-    out: list[tuple[TierSpec, Any]] = []
-    for spec in tiers.specs(geometry):
-        if spec.name == HOST_TIER:
+    out: list[tuple[TierSpec | SharedTier, Any]] = []
+    for spec in tiers.below(geometry):
+        name = spec.spec.name if isinstance(spec, SharedTier) else spec.name
+        if name == HOST_TIER:
             out.append((spec, HostTier()))
         else:
             if tiers.store_url is None:
                 raise ValueError("--store-capacity needs --store-url (a Redis server) or --fake")
-            out.append((spec, BytesTier(RedisBytes(tiers.store_url), name=spec.name)))
+            out.append((spec, BytesTier(RedisBytes(tiers.store_url), name=name)))
     return out

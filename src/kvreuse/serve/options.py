@@ -32,6 +32,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the Redis server that holds the store tier's bytes (redis://HOST:PORT/DB); "
         "needed by --store-capacity unless --fake",
     )
+    p.add_argument(
+        "--store-shared",
+        action="store_true",
+        help="share the store tier with every server of this model and cache layout on "
+        "--store-url (its index kept in the server too; the servers take their steps in "
+        "turn)",
+    )
     p.add_argument("--max-pending", type=int, default=256, help="requests in flight before 429")
     p.add_argument("--fake", action="store_true", help="deterministic fake model (no torch)")
     p.add_argument(
