@@ -28,6 +28,8 @@ from kvreuse.core import (
     TierSpec,
 )
 from kvreuse.events import StoreMirror
+from kvreuse.fleet.serving.store import StoreFollower
+from kvreuse.serve.store_turns import decode, encode
 from test_properties import geometries
 from test_tiers import TierDriver
 
@@ -102,17 +104,22 @@ def test_replicas_sharing_a_store_agree_with_the_oracle(
     admission: Admission,
     rounds: int,
 ) -> None:
-    drivers, store, _ = fleet(cfg, seed, num_replicas, store_blocks, host_blocks, admission)
+    drivers, store, mirror = fleet(cfg, seed, num_replicas, store_blocks, host_blocks, admission)
     store.record()  # and a copy, as another process holds one, kept equal by the journal
     copy = SharedTier(store.spec, cfg)
+    # and a router's view, read from the same journal (its JSON) as a fleet's front reads it
+    follower = StoreFollower(None, "", StoreMirror(cfg.geometry, store.spec.medium))
     page = max(g.page_size for g in cfg.geometry.groups)
     max_len = min(3 * page + 5, 120)
     engines = [FleetEngine(d, max_len, drivers) for d in drivers]
     rng = random.Random(seed ^ 0x5EED)
     for _ in range(rounds):
         rng.choice(engines).run(1)  # one replica's step at a time (the sharing rule)
-        copy.replay(store.take_journal())
+        journal = store.take_journal()
+        copy.replay(journal)
         assert_same_tier(copy, store)
+        follower.apply(decode(encode(journal)))
+        assert [i.entries for i in follower.mirror.index] == [i.entries for i in mirror.index]
     for drv in drivers:
         drv.check()
     assert not store.pinned

@@ -133,6 +133,8 @@ class Turn:
     predicted: int | None
     cached: int
     prompt_tokens: int
+    predicted_by_medium: dict[str, int] | None = None  # the front's header, when it predicts
+    cached_by_medium: dict[str, int] | None = None  # the replica's, when it has tiers
 
 
 def agent_turns(sessions: int, turns: int) -> list[list[dict]]:
@@ -170,6 +172,7 @@ def run_agent(url: str, sessions: int = 8, turns: int = 6) -> list[Turn]:
         usage = completion.usage
         assert usage is not None and usage.prompt_tokens_details is not None
         predicted = raw.headers.get("x-kvreuse-predicted-cached-tokens")
+        by_medium = raw.headers.get("x-kvreuse-predicted-cached-tokens-by-medium")
         turn = Turn(
             item["session"],
             item["turn"],
@@ -177,6 +180,8 @@ def run_agent(url: str, sessions: int = 8, turns: int = 6) -> list[Turn]:
             None if predicted is None else int(predicted),
             usage.prompt_tokens_details.cached_tokens or 0,
             usage.prompt_tokens,
+            None if by_medium is None else _by_medium(by_medium),
+            (usage.prompt_tokens_details.model_extra or {}).get("cached_tokens_by_medium"),
         )
         return req.request_id, tokens + generated, turn
 
@@ -191,6 +196,10 @@ def run_agent(url: str, sessions: int = 8, turns: int = 6) -> list[Turn]:
             out.append(turn)
     client.close()
     return out
+
+
+def _by_medium(header: str) -> dict[str, int]:
+    return {m: int(n) for m, n in (part.split("=") for part in header.split(","))}
 
 
 def metric(text: str, name: str, **labels: str) -> float:

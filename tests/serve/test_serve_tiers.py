@@ -9,6 +9,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 from openai import OpenAI
 
@@ -36,8 +37,16 @@ def fake() -> Iterator[tuple[OpenAI, str, Backend]]:
 
 
 def _cached(client: OpenAI, model: str, prompt: str) -> tuple[int, str]:
+    hit, text, _ = _answer(client, model, prompt)
+    return hit, text
+
+
+def _answer(client: OpenAI, model: str, prompt: str) -> tuple[int, str, Any]:
+    """The hit, the text and where the hit came from (`cached_tokens_by_medium`, or None)."""
     r = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0)
-    return r.usage.prompt_tokens_details.cached_tokens, r.choices[0].text
+    details = r.usage.prompt_tokens_details
+    by_medium = (details.model_extra or {}).get("cached_tokens_by_medium")
+    return details.cached_tokens, r.choices[0].text, by_medium
 
 
 def _delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
@@ -51,9 +60,10 @@ def _evict_and_resend(client: OpenAI, url: str, model: str, prompt: str) -> dict
     for i in range(6):
         _cached(client, model, f"{i} flood " * 40)
     before = scrape(url)
-    hit, warm_text = _cached(client, model, prompt)
+    hit, warm_text, by_medium = _answer(client, model, prompt)
     after = scrape(url)
-    return {"cold": cold_text, "warm": warm_text, "hit": hit, "before": before, "after": after}
+    return {"cold": cold_text, "warm": warm_text, "hit": hit, "by_medium": by_medium,
+            "before": before, "after": after}  # fmt: skip
 
 
 def test_an_evicted_prompt_comes_back_from_the_host(fake: tuple[OpenAI, str, Backend]) -> None:
@@ -68,6 +78,8 @@ def test_an_evicted_prompt_comes_back_from_the_host(fake: tuple[OpenAI, str, Bac
     from_host = _delta(after, before, f"kvreuse:kv_tier_hits_total{HOST}")
     assert 0 < from_host <= got["hit"]
     assert _delta(after, before, "kvreuse:external_prefix_cache_hits_total") == from_host
+    # and the answer says where its cached tokens came from
+    assert got["by_medium"] == {"GPU": got["hit"] - from_host, "CPU": from_host}
     state = 'kvreuse:kv_tier_loaded_blocks_total{group_kind="recurrent",medium="CPU",tier="host"}'
     assert _delta(after, before, state) == 1  # the state at the hit, with its pages
     # vLLM's split of the resend's prompt tokens adds up to what it asked and what it hit
@@ -87,8 +99,10 @@ def test_an_evicted_prompt_comes_back_from_the_host(fake: tuple[OpenAI, str, Bac
 
 def test_without_tiers_the_tier_families_are_absent() -> None:
     for client, url, _ in _served(fake_backend(num_blocks=40)):
-        _cached(client, "kvreuse-fake", "no tiers here " * 10)
+        assert _answer(client, "kvreuse-fake", "no tiers here " * 10)[2] is None
         names = scrape(url)
+        shared = httpx.get(url + "/kvreuse/store")
+        assert shared.status_code == 404 and "shares no store" in shared.json()["error"]["message"]
         assert not [n for n in names if "tier" in n or n.startswith("kvreuse:external")]
         source = 'kvreuse:prompt_tokens_by_source_total{source="external_kv_transfer"}'
         assert names[source] == 0

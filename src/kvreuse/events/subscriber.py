@@ -20,7 +20,7 @@ import zmq
 from kvreuse.core import Geometry
 from kvreuse.events import curve
 from kvreuse.events.convert import attention_group
-from kvreuse.events.mirror import ReplicaMirror
+from kvreuse.events.mirror import ReplicaMirror, StoreMirror
 from kvreuse.events.stream import MAX_MESSAGE_BYTES, ReplicaStream
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ class Subscriber:
         bind: bool | None = None,
         curve_public_key: str | None = None,
         tiers: Sequence[str] = (),
+        shared: Sequence[StoreMirror] = (),
     ) -> ReplicaMirror:
         """Follow a replica's stream.
 
@@ -58,11 +59,14 @@ class Subscriber:
         bind, as in vLLM); `bind` overrides it. The replay endpoint always connects.
         `curve_public_key`: the replica publisher's CURVE public key; then only that publisher
         can reach these sockets (`kvreuse.events.curve`). `tiers`: the media of the replica's
-        tiers, in order (`ReplicaMirror`; a medium not named is added when first seen).
+        tiers, in order (`ReplicaMirror`; a medium not named is added when first seen), and
+        `shared` the mirrors of the tiers among them other replicas share.
         """
         if name in self._streams:
             raise ValueError(f"replica {name!r} is already followed")
-        mirror = ReplicaMirror(geometry, attention_group(geometry).group_id, tiers=tiers)
+        mirror = ReplicaMirror(
+            geometry, attention_group(geometry).group_id, tiers=tiers, shared=shared
+        )
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sub.setsockopt(zmq.SUBSCRIBE, topic.encode())

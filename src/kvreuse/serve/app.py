@@ -10,6 +10,9 @@ GET  /metrics                Prometheus text (own registry per app); only on `me
 POST /reset_prefix_cache     200, or 409 while blocks are in use; needs the admin token when
                              one is configured (401 otherwise)
 GET  /kvreuse/geometry       the cache geometry as a TOML geometry file (for qualify)
+GET  /kvreuse/store          the store it shares with other servers: the Redis key of the
+                             store's journal, its medium and every tier's, in order (a router
+                             mirrors the store from the journal); 404 without one
 
 Bodies are read up to `max_body_bytes` (413 beyond) and decoded, validated and tokenised in a
 worker thread, so a large body does not stall the event loop (`/health` included).
@@ -139,6 +142,20 @@ def _info_routes(
         return PlainTextResponse(
             geometry_toml(backend.live_deployment()), media_type="application/toml"
         )
+
+    # read once: the tiers' specs never change, and the step loop owns the manager
+    stack = backend.mgr.tiers
+    store = {
+        "journal": backend.store_journal,
+        "medium": next((t.spec.medium for t in stack.tiers if t.shared), None),
+        "media": [t.spec.medium for t in stack.tiers],
+    }
+
+    @app.get("/kvreuse/store", responses=error_responses(404))
+    async def shared_store() -> JSONResponse:
+        if store["journal"] is None:
+            raise ApiError(404, "this server shares no store (kvreuse serve --store-shared)")
+        return JSONResponse(store)
 
 
 def _admin_routes(app: FastAPI, engine: EngineLoop, admin_token: str | None) -> None:

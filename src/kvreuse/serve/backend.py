@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvreuse.core import KVCacheManager, SharedTier, TierSpec
+from kvreuse.core import DEVICE_MEDIUM, KVCacheManager, SharedTier, TierSpec
 from kvreuse.deployment import Deployment, DeploymentSpec, load_geometry, resolve
 from kvreuse.sched import ContentTokens, Scheduler, ScriptedEngine
 from kvreuse.sim.args import HOST_TIER, with_tiers
@@ -68,15 +68,16 @@ class TierOptions:
         ]
 
 
-def share_store(sched: Scheduler, tiers: TierOptions, namespace: str | None = None) -> None:
+def share_store(sched: Scheduler, tiers: TierOptions, namespace: str | None = None) -> str | None:
     """Give `sched` its turns over the store it shares with other servers
     (kvreuse.serve.store_turns): `namespace`, the store's bytes' (the engine's), else one of
-    the cache layout's alone (the fake backend, which keeps no bytes)."""
+    the cache layout's alone (the fake backend, which keeps no bytes). Returns the Redis key
+    of the store's journal, which a router reads to mirror the store."""
     from kvreuse.serve.store_turns import StoreTurns
 
     shared = sched.mgr.tiers.shared
     if not shared or tiers.store_url is None:
-        return
+        return None
     import redis
 
     tier = shared[0]
@@ -87,7 +88,9 @@ def share_store(sched: Scheduler, tiers: TierOptions, namespace: str | None = No
     except redis.RedisError as exc:
         raise RuntimeError(f"cannot reach the store at {tiers.store_url} ({exc})") from None
     ns = namespace or f"fake:{tier.namespace}:{tier.spec.name}"
-    sched.turn = StoreTurns(tier, client, ns).turn
+    turns = StoreTurns(tier, client, ns)
+    sched.turn = turns.turn
+    return turns.log_key
 
 
 @dataclass
@@ -104,6 +107,7 @@ class Backend:
     aliases: tuple[str, ...] = ()  # other names `model` may give (an earlier naming)
     notes: tuple[str, ...] = ()  # what `kvreuse serve` should tell the operator at start
     transfers: Any = None  # the engine's `Transfers` (bytes moved to and from its tiers)
+    store_journal: str | None = None  # the Redis key of a shared store's journal
 
     @property
     def token_limit(self) -> int:
@@ -112,6 +116,17 @@ class Backend:
     @property
     def mgr(self) -> KVCacheManager:
         return self.scheduler.mgr
+
+    def cached_by_medium(self, rid: str, cached: int) -> dict[str, int] | None:
+        """A request's cached tokens by where its first hit found them: the device ("GPU", as
+        vLLM names it), then each tier below it by its medium; None without tiers."""
+        tiers = self.mgr.tiers.tiers
+        if not tiers:
+            return None
+        loaded = self.mgr.request_stats(rid).tier_tokens or (0,) * len(tiers)
+        out = {DEVICE_MEDIUM: cached - sum(loaded)}
+        out.update((t.spec.medium, n) for t, n in zip(tiers, loaded, strict=True))
+        return out
 
     def live_deployment(self) -> Deployment:
         """The cache and scheduler settings it runs with (num_blocks overrides included)."""
@@ -134,9 +149,10 @@ def fake_backend(
         geo = replace(geo, tiers=tiers.specs(geo))
     engine = ScriptedEngine(ContentTokens(), saves="at_end")
     sched = Scheduler(KVCacheManager(geo.cache, tiers=below), engine, geo.sched)
-    if tiers is not None and tiers.store_shared:
-        share_store(sched, tiers)
-    return Backend(name, ByteTokenizer(), sched, geo.max_model_len or 2048, geo)
+    journal = share_store(sched, tiers) if tiers is not None and tiers.store_shared else None
+    backend = Backend(name, ByteTokenizer(), sched, geo.max_model_len or 2048, geo)
+    backend.store_journal = journal
+    return backend
 
 
 def served_name(engine_name: str, model: str | None) -> str:
@@ -171,9 +187,10 @@ def default_backend(
     if tiers is not None:
         kwargs["tiers"] = _engine_tiers(model, kwargs.get("geometry"), tiers)
     llm = LLM(model, **kwargs)
+    journal = None
     if tiers is not None and tiers.store_shared:
         held = [b for spec, b in kwargs["tiers"] if isinstance(spec, SharedTier)]
-        share_store(llm.scheduler, tiers, held[0].prefix.rstrip(":"))
+        journal = share_store(llm.scheduler, tiers, held[0].prefix.rstrip(":"))
     geo = kwargs.get("geometry")
     model_cfg = getattr(getattr(llm, "model", None), "config", None)
     vocab = getattr(model_cfg, "vocab_size", None)
@@ -196,6 +213,7 @@ def default_backend(
         aliases=tuple({llm.model_name} - {name}),
         notes=notes,
         transfers=llm.runner.transfers,
+        store_journal=journal,
     )
 
 

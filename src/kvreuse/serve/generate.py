@@ -34,6 +34,7 @@ class Gen:
     stop_strs: tuple[str, ...]
     token_ids: list[int] = field(default_factory=list)
     cached_tokens: int = 0
+    cached_by_medium: dict[str, int] | None = None  # with tiers (Delta.cached_by_medium)
     finish_reason: str | None = None
     out: asyncio.Queue[Delta] | None = None  # set by `submit`
     text_state: TextState = field(init=False)
@@ -46,11 +47,16 @@ class Gen:
         return self.text_state.text
 
     def usage(self) -> dict[str, Any]:
+        """OpenAI's usage; with tiers below the cache, `prompt_tokens_details` also says where
+        the cached tokens came from (`cached_tokens_by_medium`: "GPU", "CPU", "STORE")."""
+        details: dict[str, Any] = {"cached_tokens": self.cached_tokens}
+        if self.cached_by_medium is not None:
+            details["cached_tokens_by_medium"] = self.cached_by_medium
         return {
             "prompt_tokens": len(self.prompt),
             "completion_tokens": len(self.token_ids),
             "total_tokens": len(self.prompt) + len(self.token_ids),
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "prompt_tokens_details": details,
         }
 
 
@@ -219,6 +225,8 @@ async def run(
                 return
             if delta.cached_tokens is not None:
                 gen.cached_tokens = delta.cached_tokens
+            if delta.cached_by_medium is not None:
+                gen.cached_by_medium = delta.cached_by_medium
             gen.token_ids.extend(delta.token_ids)
             finished = delta.finish_reason is not None
             text = advance(backend.tokenizer, gen.text_state, gen.token_ids, finished)

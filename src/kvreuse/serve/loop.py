@@ -68,6 +68,8 @@ class Delta:
     status: int = 0  # with `error`: the HTTP status to answer (400, 500, 503)
     code: str | None = None
     finished: bool = True  # with `error`: the loop has already forgotten the request
+    # with tiers below the cache, once admitted: the cached tokens by where they came from
+    cached_by_medium: dict[str, int] | None = None
 
 
 @dataclass(slots=True)
@@ -369,16 +371,17 @@ class EngineLoop:
             msg = "the request exceeds the cache"
             self._post(act.out.put_nowait, Delta([], 0, "error", msg, 400))
             return
-        cached = None
+        cached = by_medium = None
         if seq.cached_tokens is not None and not act.cached_sent:
             cached, act.cached_sent = seq.cached_tokens, True
+            by_medium = self.backend.cached_by_medium(act.rid, cached)
         if not new and reason is None and cached is None:
             return
         act.sent += len(new)
         if reason is not None:
             self._forget(act.rid, reason)
             cached = seq.cached_tokens or 0
-        self._post(act.out.put_nowait, Delta(new, cached, reason))
+        self._post(act.out.put_nowait, Delta(new, cached, reason, cached_by_medium=by_medium))
 
     def _abort(self, rid: str) -> None:
         sched = self.backend.scheduler

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,7 @@ def _add_route(sub: Any) -> None:
 def _cmd_fleet(args: argparse.Namespace) -> int:
     from kvreuse.fleet.serving.preflight import check_model
     from kvreuse.fleet.serving.replicas import LocalFleet, ReplicaError, ReplicaProcess
+    from kvreuse.fleet.serving.store import follow_replicas, replica_tiers
 
     try:
         _check_common(args)
@@ -130,7 +132,8 @@ def _cmd_fleet(args: argparse.Namespace) -> int:
         config = dep.cache
         tokenizer = _tokenizer(args.model, None)
         check_model(args.model, args.fake, dep, tokenizer)  # before any replica starts
-        dispatcher, sock = _open(args, config)
+        media, store_url = replica_tiers(serve_args)
+        dispatcher, sock = _open(args, config, media, store_url is not None)
     except (UsageError, ValueError, OSError) as exc:
         return _usage("fleet", exc, args)
     from kvreuse.events.common import SECRET_ENV
@@ -156,6 +159,11 @@ def _cmd_fleet(args: argparse.Namespace) -> int:
             member.url = proc.url
             dispatcher.set_replay(member, proc.replay_endpoint)
         models = _check_replicas(dispatcher, config, required=True)
+        if store_url is not None:
+            try:
+                follow_replicas(dispatcher, [m.url for m in members], store_url)
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
         # the replicas stop while the front shuts down: after a SIGTERM, which uvicorn re-raises
         # once the server is down, there is no later moment
         return _serve("fleet", args, dispatcher, tokenizer, models, sock, fleet.stop)
@@ -200,9 +208,13 @@ def _usage(command: str, exc: BaseException, args: argparse.Namespace | None = N
     return 2
 
 
-def _open(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
+def _open(
+    args: argparse.Namespace, config: Any, media: Sequence[str] = (), shared: bool = False
+) -> tuple[Any, Any]:
     """The dispatcher and the front's listening sockets (bound first: a busy port fails fast):
-    the API's, then the metrics listener's when there is one."""
+    the API's, then the metrics listener's when there is one. `media`: the replicas' tiers;
+    `shared`: the last of them a store they share, which the dispatcher mirrors."""
+    from kvreuse.events import StoreMirror
     from kvreuse.fleet.serving.dispatch import Dispatcher
     from kvreuse.serve.server import bind
 
@@ -221,7 +233,11 @@ def _open(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
             raise UsageError(f"cannot listen on {where} ({exc.strerror}) for metrics") from None
         if metrics is not None:
             socks.append(metrics)
-        return Dispatcher(config, args.policy, load_weight=args.load_weight), socks
+        store = StoreMirror(config.geometry, media[-1]) if shared else None
+        dispatcher = Dispatcher(
+            config, args.policy, load_weight=args.load_weight, tiers=media, store=store
+        )
+        return dispatcher, socks
     except BaseException:
         socks.close()
         raise

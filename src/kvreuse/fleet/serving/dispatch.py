@@ -9,7 +9,9 @@ for a routing decision.
 Freshness: a replica hands a step's events to its publisher before the step's tokens reach the
 client (kvreuse.serve.loop). Before routing, the front applies what has arrived and, for every
 replica that finished a request since the last decision, asks its replay socket for anything
-newer (`Subscriber.catch_up`), so the mirror includes the finished requests' entries.
+newer (`Subscriber.catch_up`), so the mirror includes the finished requests' entries. A store
+the replicas share is read from its journal first (kvreuse.fleet.serving.store): a replica
+pushes a step's changes to it before the step's tokens reach the client.
 
 Trust: a decision records whether the replica's mirror was exact and which incarnation of the
 replica's stream it followed (`Routed.exact`, `Routed.instance`). A kvreuse replica names its
@@ -32,9 +34,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from kvreuse.core import CacheConfig
-from kvreuse.events import ReplicaMirror, Subscriber
+from kvreuse.events import ReplicaMirror, StoreMirror, Subscriber
+from kvreuse.events.wire import MEDIUM_GPU
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT
 from kvreuse.fleet.routing.router import Decision, Router
+from kvreuse.fleet.serving.store import StoreFollower
 
 DOWN_LOAD = 1 << 60  # the load a down replica shows the policy: no cost can prefer it
 CATCH_UP_BACKOFF_S = 5.0  # after a replay socket did not answer, skip catch-ups for this long
@@ -75,6 +79,7 @@ class Routed:
     num_tokens: int
     exact: bool = False
     instance: str | None = None
+    by_medium: dict[str, int] | None = None  # the prediction by where the hit lies
 
     @property
     def predicted(self) -> int | None:
@@ -91,10 +96,17 @@ class Dispatcher:
         *,
         load_weight: float = DEFAULT_LOAD_WEIGHT,
         replay_timeout: float = 0.5,
+        tiers: Sequence[str] = (),
+        store: StoreMirror | None = None,
     ) -> None:
+        """`tiers`: the media of every replica's tiers in order, when known before their
+        events name them; `store`: the mirror of a store they share, among `tiers`, which
+        `follow_store` keeps current."""
         self.config = config
         self.router = Router(config, policy, load_weight=load_weight)
         self.replay_timeout = replay_timeout
+        self.tiers, self.store = tuple(tiers), store
+        self.follower: StoreFollower | None = None
         self.members: list[Member] = []
         self._lock = threading.Lock()
         self._loads = threading.Lock()
@@ -133,11 +145,21 @@ class Dispatcher:
             member.endpoint,
             bind=member.bind,
             curve_public_key=member.curve_public_key,
+            tiers=self.tiers,
+            shared=() if self.store is None else (self.store,),
         )
         if member.bind is not False and member.endpoint.endswith(":0"):
             member.endpoint = sub.bound_endpoint(member.name)
         member.subscriber = sub
         return mirror
+
+    def follow_store(self, follower: StoreFollower) -> None:
+        """Read the shared store's journal before every decision (its mirror: `store`)."""
+        if follower.mirror is not self.store:
+            raise ValueError("the store follower must keep the dispatcher's store mirror")
+        with self._lock:
+            self.follower = follower
+            follower.sync()
 
     def set_replay(self, member: Member, endpoint: str) -> None:
         """Connect to the replica's replay socket (known only once a local replica started)."""
@@ -212,10 +234,24 @@ class Dispatcher:
                 decision = replace(decision, index=index, replica=self.members[index].name)
             member = self.members[index]
             stream = member.subscriber.stream(member.name)
-            routed = Routed(member, decision, len(tokens), stream.exact, stream.instance)
+            by_medium = self._by_medium(decision)
+            routed = Routed(member, decision, len(tokens), stream.exact, stream.instance, by_medium)
             if count:
                 self.begin(routed)
         return routed
+
+    def _by_medium(self, decision: Decision | None) -> dict[str, int] | None:
+        """The prediction by medium, as a replica with tiers reports its delivery: "GPU" for
+        the device, then each tier's medium (None without a per-tier prediction)."""
+        tiers = None if decision is None else decision.predicted_tiers
+        if decision is None or tiers is None or decision.predicted_cached is None:
+            return None
+        media = self.router.mirrors[decision.index].media
+        if len(media) != len(tiers):
+            return None
+        out = {MEDIUM_GPU: decision.predicted_cached - sum(tiers)}
+        out.update(zip(media, tiers, strict=True))
+        return out
 
     def begin(self, routed: Routed) -> None:
         """The request was sent: it joins the replica's load."""
@@ -257,7 +293,10 @@ class Dispatcher:
                         self._catch_up(member)
 
     def _sync(self) -> None:
-        """Apply the events that have arrived; catch up replicas that finished requests."""
+        """Apply the events that have arrived and the shared store's journal; catch up
+        replicas that finished requests."""
+        if self.follower is not None:
+            self.follower.sync()
         now = time.monotonic()
         for member in self.members:
             if not member.up:

@@ -15,7 +15,9 @@ very tokens the replica will look up. It is routed (`Dispatcher.route`), forward
 and answered as the replica answered, with headers added: `x-kvreuse-replica` (where it
 went) and, when the policy predicts, `x-kvreuse-predicted-cached-tokens` and
 `x-kvreuse-mirror-exact` (whether the prediction came from an exact mirror of the very process
-that answered, which a kvreuse replica names in every response).
+that answered, which a kvreuse replica names in every response); with replica tiers also
+`x-kvreuse-predicted-cached-tokens-by-medium` ("GPU=…,CPU=…,STORE=…", as a replica's
+`usage.prompt_tokens_details.cached_tokens_by_medium`).
 
 Failures: a replica that cannot be reached is marked down and the request goes to another
 (nothing was sent); a replica that fails once the request is sent fails only that request, with
@@ -82,6 +84,8 @@ REPLICA_HEADER = "x-kvreuse-replica"
 PREDICTED_HEADER = "x-kvreuse-predicted-cached-tokens"
 # "true" when the prediction came from an exact mirror of the very process that answered
 MIRROR_EXACT_HEADER = "x-kvreuse-mirror-exact"
+# the prediction by medium, "GPU=…,CPU=…,STORE=…", as usage's cached_tokens_by_medium
+PREDICTED_BY_MEDIUM_HEADER = "x-kvreuse-predicted-cached-tokens-by-medium"
 # The client's own timeouts: no read timeout, since how long a read may wait depends on where the
 # answer is (the front's deadlines bound it); the Ray ingress uses these as they are.
 TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=60.0, pool=None)
@@ -259,6 +263,9 @@ async def _forward(front: _Front, req: FrontRequest, path: str) -> Response:
     headers = {REPLICA_HEADER: member.name}
     if routed.predicted is not None:
         headers[PREDICTED_HEADER] = str(routed.predicted)
+        if routed.by_medium is not None:
+            parts = (f"{medium}={n}" for medium, n in routed.by_medium.items())
+            headers[PREDICTED_BY_MEDIUM_HEADER] = ",".join(parts)
         headers[MIRROR_EXACT_HEADER] = "true" if await _confirm(front, routed, resp) else "false"
     try:
         if req.stream and resp.status_code == 200:
