@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from store_server import redis_server
 
 from kvreuse.core import Admission, SharedTier, TierSpec
 from kvreuse.deployment import preset
@@ -24,6 +23,7 @@ from kvreuse.engine.tiers import BytesTier, HostTier
 from kvreuse.events import Converter, StoreMirror
 from kvreuse.fleet.routing.router import Router
 from kvreuse.serve.store_turns import decode
+from store_server import redis_server
 
 GEOMETRY = "tiny-hybrid-dcp4"
 POOL = 12
