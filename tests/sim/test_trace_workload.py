@@ -72,8 +72,10 @@ def test_a_block_is_a_fixed_function_of_id_and_position() -> None:
     block = block_tokens(7, 512)
     assert block[0] == 7 and block == block_tokens(7, 512)
     assert block_tokens(7, 16) == block[:16]  # a partial block is the start of the full one
-    assert block_tokens(8, 512)[0] == 8 and block_tokens(8, 512)[1:] != block[1:]
+    other = block_tokens(8, 512)
+    assert other[0] == 8 and other[1:] == block[1:]  # only the id differs: the chain does the rest
     assert all(0 <= t < 2**32 for t in block) and len(set(block)) > 500
+    assert block_tokens(7, 2) == block_tokens(7, 512)[:2] and block_tokens(7, 1).tolist() == [7]
     assert block_tokens(2**32 - 1, 4)[0] == 2**32 - 1
 
 

@@ -103,35 +103,37 @@ _BLOCK_DOMAIN = b"kvreuse/trace-block/"
 def block_tokens(block_id: int, length: int) -> array.array[int]:
     """The first `length` tokens of hashed block `block_id`: a fixed function of (id, position).
 
-    Token 0 is the id itself, so blocks of different ids differ at their first token and
-    prompts sharing a leading run of ids share exactly those tokens, whatever the cache's page
-    or hash unit. Token j ≥ 1 is the j-th little-endian 4-byte word of SHAKE-128(domain ‖ id as
-    4 bytes), any value in [0, 2**32) (the core's token range). A shorter block is a prefix of
-    a longer one, so a prompt's partial last block matches the start of the full block."""
+    Token 0 is the id itself, so blocks of different ids differ at their first token, and since
+    every unit's digest chains over all the tokens before it, prompts sharing a leading run of
+    ids share exactly those tokens and digests, whatever the cache's page or hash unit. Token
+    j ≥ 1 is the j-th little-endian 4-byte word of SHAKE-128(domain), the same in every block:
+    a block costs a copy, not a hash of its own. A shorter block is a prefix of a longer one,
+    so a prompt's partial last block matches the start of the full block."""
     return array.array(TOKEN_TYPECODE, _block(block_id, length))
 
 
-@functools.lru_cache(maxsize=4096)
-def _block(block_id: int, length: int) -> bytes:
-    """Memoised: blocks of a shared system prompt are generated once (4,096 × 2 KiB at most)."""
-    seed = _BLOCK_DOMAIN + block_id.to_bytes(4, "little")
-    words = bytearray(hashlib.shake_128(seed).digest(4 * length))
-    words[0:4] = block_id.to_bytes(4, "little")
-    out = array.array(TOKEN_TYPECODE, bytes(words))
+@functools.cache
+def _filler() -> bytes:
+    """Every block's words 0 … MAX_BLOCK_TOKENS − 1 in native order (word 0 is overwritten by
+    the id): 256 KiB, drawn once per process."""
+    out = array.array(TOKEN_TYPECODE, hashlib.shake_128(_BLOCK_DOMAIN).digest(4 * MAX_BLOCK_TOKENS))
     if sys.byteorder != "little":
-        out.byteswap()
+        out.byteswap()  # the same tokens on every machine
     return out.tobytes()
+
+
+def _block(block_id: int, length: int) -> bytes:
+    return block_id.to_bytes(4, sys.byteorder) + _filler()[4 : 4 * length]
 
 
 def _blocks_tokens(value: Mapping[str, Any]) -> array.array[int]:
     ids, size, length = value["ids"], value["block_tokens"], value["len"]
-    out = array.array(TOKEN_TYPECODE)
     whole, rest = divmod(length, size)
-    for block_id in ids[:whole]:
-        out.frombytes(_block(block_id, size))
+    order, tail = sys.byteorder, _filler()[4 : 4 * size]
+    parts = [block_id.to_bytes(4, order) + tail for block_id in ids[:whole]]
     if rest:
-        out.frombytes(_block(ids[whole], rest))
-    return out
+        parts.append(_block(ids[whole], rest))
+    return array.array(TOKEN_TYPECODE, b"".join(parts))
 
 
 def resolve_prompt(prompt: Any, history: Mapping[str, Sequence[int]]) -> list[int]:
