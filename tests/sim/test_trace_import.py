@@ -222,3 +222,49 @@ def test_the_command_refuses_bad_input_in_one_line(tmp_path: Path) -> None:
     latin.write_bytes(mooncake().encode() + b"\n\xff\xfe\n")
     done = run("mooncake", str(latin))
     assert done.returncode == 2 and "line 2: not UTF-8 text" in done.stderr
+
+
+def simulate(*args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [*KVREUSE, "simulate", "--geometry", "hybrid-dcp4", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize(("fmt", "path"), [("mooncake", CONVERSATION), ("bailian", BAILIAN)])
+def test_simulate_reads_a_trace_as_the_import_writes_it(
+    tmp_path: Path, fmt: str, path: Path
+) -> None:
+    """`simulate --trace FORMAT FILE` is `workload import FORMAT FILE` then `simulate`: the
+    same rows and summary, and the import's line on stderr."""
+    workload = tmp_path / "workload.jsonl"
+    done = run(fmt, str(path), "--time-scale", "0.5")
+    assert done.returncode == 0, done.stderr
+    workload.write_text(done.stdout)
+    common = ["--capacity-tokens", "200K", "--no-plots", "--no-compare", "--json"]
+    via_file = simulate(str(workload), "--out", str(tmp_path / "a"), *common)
+    direct = simulate(
+        str(path), "--trace", fmt, "--time-scale", "0.5", "--out", str(tmp_path / "b"), *common
+    )
+    assert via_file.returncode == direct.returncode == 0, direct.stderr
+    rows = [(tmp_path / d / "requests.jsonl").read_text() for d in ("a", "b")]
+    assert rows[0] == rows[1] and rows[0].count("\n") == 30
+    summaries = [json.loads(p.stdout) for p in (via_file, direct)]
+    assert summaries[0] == summaries[1] and summaries[0]["hits"] > 0
+    assert f"{path}: imported 30 requests" in direct.stderr
+
+
+def test_simulate_refuses_a_bad_trace_in_one_line(tmp_path: Path) -> None:
+    workload = tmp_path / "workload.jsonl"
+    workload.write_text(run("mooncake", str(CONVERSATION)).stdout)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(mooncake() + "\n" + mooncake(input_length=0) + "\n")
+    for args, fragment in [
+        ((str(bad), "--trace", "mooncake"), f"{bad}: line 2: field 'input_length'"),
+        ((str(workload), "--trace", "mooncake"), "line 1: missing field(s)"),
+        ((str(tmp_path / "none.jsonl"), "--trace", "mooncake"), "cannot read the trace"),
+        ((str(workload), "--time-scale", "2"), "give --trace FORMAT with it"),
+        ((str(CONVERSATION), "--trace", "parquet"), "invalid choice"),
+    ]:
+        done = simulate(*args, "--out", str(tmp_path / "out"), "--quiet")
+        assert done.returncode == 2, (args, done.stderr)
+        assert done.stderr.count("\n") in (1, 3) and fragment in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr

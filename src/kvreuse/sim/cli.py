@@ -28,7 +28,15 @@ from kvreuse.deployment import (
     preset,
     resolve,
 )
-from kvreuse.sim.args import Help, add_tier_options, number, size, with_tiers
+from kvreuse.sim.args import (
+    Help,
+    add_tier_options,
+    add_trace_options,
+    number,
+    read_workload_arg,
+    size,
+    with_tiers,
+)
 from kvreuse.sim.fit import check_fit, never_evicting_blocks
 from kvreuse.sim.progress import Progress
 from kvreuse.sim.report import PLOTS, summary_table, write_report
@@ -40,7 +48,7 @@ from kvreuse.sim.run import (
     simulate,
     without_deferral,
 )
-from kvreuse.sim.workload import WorkloadError, WorkloadRequest, read_workload
+from kvreuse.sim.workload import WorkloadError, WorkloadRequest
 
 DEFAULT_COST = CostModel()
 OUTPUTS = ("requests.jsonl", "summary.json", "report.md", *(f for f, _ in PLOTS))
@@ -61,7 +69,8 @@ def add_parser(sub: Any) -> None:
         "files",
         nargs="+",
         metavar="FILE",
-        help="GEOMETRY.toml WORKLOAD.jsonl, or WORKLOAD.jsonl with --geometry",
+        help="GEOMETRY.toml WORKLOAD.jsonl, or WORKLOAD.jsonl with --geometry (with --trace, "
+        "a trace instead of the workload)",
     )
     p.add_argument(
         "--geometry",
@@ -87,6 +96,7 @@ def add_parser(sub: Any) -> None:
         "a pool that never evicts; default: the geometry's)",
     )
     add_tier_options(p.add_argument_group("memory tiers (docs/tiers.md)"), "the pool")
+    add_trace_options(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bars on stderr")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib)")
@@ -139,7 +149,7 @@ def read_inputs(args: argparse.Namespace) -> tuple[Deployment, list[WorkloadRequ
         if len(args.files) != 2:
             raise GeometryError("give GEOMETRY.toml and WORKLOAD.jsonl (or --geometry NAME)")
         geo, wl_path = resolve(Path(args.files[0])), Path(args.files[1])
-    workload = read_workload(wl_path)
+    workload = read_workload_arg(wl_path, args, "kvreuse simulate")
     if args.capacity_tokens == math.inf:
         geo = with_pool(geo, never_evicting_blocks(geo, workload), None)
         return geo, workload

@@ -22,7 +22,7 @@ from typing import Any
 
 from kvreuse.core import ConfigError
 from kvreuse.deployment import Deployment, GeometryError, resolve
-from kvreuse.sim.args import Help, add_tier_options, int_range
+from kvreuse.sim.args import Help, add_tier_options, add_trace_options, int_range, read_workload_arg
 from kvreuse.sim.cli import clear_outputs, prepare_out
 from kvreuse.sim.cost import CostModel
 from kvreuse.sim.progress import Progress
@@ -37,7 +37,7 @@ from kvreuse.sim.sweep import (
     run_cases,
     run_cases_on_ray,
 )
-from kvreuse.sim.workload import WorkloadError, read_workload
+from kvreuse.sim.workload import WorkloadError
 
 DEFAULT_CAPACITIES = "1M,3M,10M,50M,inf"
 PLOTS = ("hit_rate_vs_capacity.png", "prefill_time.png")
@@ -60,7 +60,13 @@ def add_parser(sub: Any) -> None:
         "input; 130 Ctrl-C (the finished cases are kept).",
         formatter_class=Help,
     )
-    p.add_argument("workload", type=Path, metavar="WORKLOAD", help="a workload JSONL file")
+    p.add_argument(
+        "workload",
+        type=Path,
+        metavar="WORKLOAD",
+        help="a workload JSONL file (or, with --trace, a trace)",
+    )
+    add_trace_options(p)
     p.add_argument(
         "--geometry",
         action="append",
@@ -168,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
         setups = _setups(args)
         _check_options(args)
         geometries = _geometries(args.geometry)
-        workload = read_workload(args.workload)
+        workload = read_workload_arg(args.workload, args, "kvreuse sweep")
         cases = cases_for(geometries, capacities, workload, setups, args.store_admission)
     except (GeometryError, ConfigError, WorkloadError, OSError, ValueError) as exc:
         return _fail(exc)

@@ -25,6 +25,7 @@ import hashlib
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvreuse.sim.args import plural
@@ -35,6 +36,8 @@ from kvreuse.sim.workload import (
     MAX_BLOCK_TOKENS,
     MAX_TOKENS_PER_REQUEST,
     WorkloadError,
+    WorkloadRequest,
+    load_objects,
 )
 
 
@@ -90,9 +93,9 @@ class ImportStats:
     num_no_output: int = 0  # output_length 0, generating one token
     num_orphans: int = 0  # Bailian requests written whose parent chat id was not seen before
 
-    def summary(self) -> str:
+    def summary(self, verb: str = "wrote") -> str:
         lines = [
-            f"wrote {plural(self.num_written, 'request')} ({self.prompt_tokens:,} prompt tokens) "
+            f"{verb} {plural(self.num_written, 'request')} ({self.prompt_tokens:,} prompt tokens) "
             f"from {plural(self.num_records, 'record')}"
         ]
         if self.num_past_ids:
@@ -319,3 +322,21 @@ def _line(
     stats.num_written += 1
     stats.prompt_tokens += length
     return line
+
+
+def read_trace(
+    path: Path, fmt_name: str, options: ImportOptions
+) -> tuple[list[WorkloadRequest], ImportStats]:
+    """The workload `kvreuse workload import FORMAT FILE` would write, read in this process (as
+    `kvreuse simulate --trace` and `kvreuse sweep --trace` do): no file in between, and every
+    line checked as a workload line is. A failure is a WorkloadError naming the file."""
+    stats = ImportStats()
+    try:
+        with path.open("rb") as lines:
+            records = import_trace(fmt_name, lines, str(path), options, stats)
+            workload = load_objects(enumerate(records, 1))
+    except OSError as exc:
+        raise WorkloadError(f"{path}: cannot read the trace ({exc.strerror})") from None
+    if not workload:
+        raise WorkloadError(f"{path}: no records")
+    return workload, stats

@@ -299,10 +299,15 @@ def _seconds(value: Any) -> float | None:
 
 def load_workload(lines: Iterable[str | bytes]) -> list[WorkloadRequest]:
     """Parse and cross-check a JSONL workload (unique ids; references to earlier ids only)."""
+    return load_objects(json_lines(lines))
+
+
+def load_objects(objects: Iterable[tuple[int, Any]]) -> list[WorkloadRequest]:
+    """`load_workload` of (line number, decoded line) pairs."""
     out: list[WorkloadRequest] = []
     seen: set[str] = set()
     try:
-        for lineno, obj in json_lines(lines):
+        for lineno, obj in objects:
             req = parse_line(obj, lineno)
             if req.request_id in seen:
                 raise WorkloadError(f"line {lineno}: field 'id': duplicate id {req.request_id!r}")
