@@ -10,8 +10,8 @@ pool of 512-token blocks, 256 sequences and 8,192 batched tokens:
 * the mocker (`dynamo._core.run_mocker_trace_replay`, offline, from ai-dynamo-runtime in
   `.venv-mocker`, built by `bash benchmarks/mocker/setup_venv.sh`) through
   benchmarks/mocker/replay.py, which also writes its per-request records;
-* kvreuse: `kvreuse workload import mooncake` and `kvreuse simulate` on an attention-only
-  geometry file written for the case, with a cost model fitted to the mocker's single-request
+* kvreuse: `kvreuse simulate --trace mooncake` (the trace imported in its own process) on an
+  attention-only geometry file written for the case, with a cost model fitted to the mocker's single-request
   timings on the same pool (`replay.py calibrate`, not timed).
 
 Each is a child process; its CPU time (user + system, every thread) is what `os.wait4`
@@ -166,12 +166,11 @@ def run_mocker(python: Path, trace: Path, blocks: int, tmp: Path) -> dict[str, A
 
 
 def run_kvreuse(trace: Path, geometry: Path, tmp: Path, keys: list[Any]) -> dict[str, Any]:
-    """`kvreuse workload import mooncake` then `kvreuse simulate`, each a child process."""
+    """`kvreuse simulate --trace mooncake` on the trace, a child process."""
     kvreuse = [sys.executable, "-m", "kvreuse"]
-    workload, out_dir = tmp / "workload.jsonl", tmp / "kvreuse-out"
-    with workload.open("w") as out:
-        import_cpu, _ = run_child([*kvreuse, "workload", "import", "mooncake", str(trace)], out)
-    sim = [*kvreuse, "simulate", str(geometry), str(workload), "--out", str(out_dir)]
+    out_dir = tmp / "kvreuse-out"
+    sim = [*kvreuse, "simulate", str(geometry), str(trace), "--trace", "mooncake"]
+    sim += ["--out", str(out_dir)]
     sim += ["--no-compare", "--no-plots", "--quiet", "--json"]
     summary_path = tmp / "kvreuse-summary.json"
     with summary_path.open("w") as out:
@@ -180,9 +179,7 @@ def run_kvreuse(trace: Path, geometry: Path, tmp: Path, keys: list[Any]) -> dict
     with (out_dir / "requests.jsonl").open() as f:
         rows = [json.loads(line) for line in f]
     return {
-        "cpu_s": import_cpu + sim_cpu,
-        "import_cpu_s": import_cpu,
-        "simulate_cpu_s": sim_cpu,
+        "cpu_s": sim_cpu,
         "hits": summary["hits"],
         "queries": summary["queries"],
         "preemptions": summary["preemptions"],
@@ -246,8 +243,6 @@ def compare(mocker: list[dict[str, Any]], kv: list[dict[str, Any]], keys: list[A
         "kvreuse_cpu_s": spread(kv_cpu),
         "ratio": round(statistics.median(mocker_cpu) / statistics.median(kv_cpu), 4),
         "mocker_replay_call_cpu_s": spread([x["call_cpu_s"] for x in mocker]),
-        "kvreuse_import_cpu_s": spread([x["import_cpu_s"] for x in kv]),
-        "kvreuse_simulate_cpu_s": spread([x["simulate_cpu_s"] for x in kv]),
         "mocker_hit_rate": round(m["hits"] / m["queries"], 6),
         "kvreuse_hit_rate": round(k["hits"] / k["queries"], 6),
         "mocker_hits": m["hits"],
@@ -282,9 +277,9 @@ DIFFERENCES = [
     "max_model_len: the mocker's is unset; kvreuse's is the case's longest request",
     "clock: the mocker's starts at the trace's first timestamp, kvreuse's at 0 (it idles until "
     "the first arrival; the gaps between arrivals are the same)",
-    "input: the mocker reads the trace's block ids; kvreuse's import turns each record into a "
-    "workload line and the simulator builds 512 tokens per id and hashes them (SHA-256): its "
-    "CPU time is import + simulate",
+    "input: the mocker reads the trace's block ids; kvreuse imports each record as a workload "
+    "line in the simulating process, builds 512 tokens per id (the id, then a run shared by "
+    "every block) and hashes each distinct block path once (SHA-256)",
     "per-request output: the mocker writes its records to report_jsonl_path, kvreuse its "
     "requests.jsonl (both timed)",
 ]
@@ -314,7 +309,7 @@ def settings(python: Path) -> dict[str, Any]:
             "call": "dynamo._core.run_mocker_trace_replay(replay_mode='offline', "
             "trace_format='mooncake', trace_block_size=512, report_jsonl_path=…)",
         },
-        "kvreuse": "kvreuse workload import mooncake; kvreuse simulate GEOMETRY.toml "
+        "kvreuse": "kvreuse simulate GEOMETRY.toml TRACE --trace mooncake "
         "--no-compare --no-plots --quiet --json (one full-attention group, block_size 512)",
         "cpu": "user + system seconds of each child process (os.wait4), interpreter start included",
         "differences": DIFFERENCES,
