@@ -11,8 +11,8 @@ pool of 512-token blocks, 256 sequences and 8,192 batched tokens:
   `.venv-mocker`, built by `bash benchmarks/mocker/setup_venv.sh`) through
   benchmarks/mocker/replay.py, which also writes its per-request records;
 * kvreuse: `kvreuse simulate --trace mooncake` (the trace imported in its own process) on an
-  attention-only geometry file written for the case, with a cost model fitted to the mocker's single-request
-  timings on the same pool (`replay.py calibrate`, not timed).
+  attention-only geometry file written for the case, with a cost model fitted to the mocker's
+  single-request timings on the same pool (`replay.py calibrate`, not timed).
 
 Each is a child process; its CPU time (user + system, every thread) is what `os.wait4`
 reports for it. Rounds alternate which tool goes first. Prints JSON lines on stdout: `env`,

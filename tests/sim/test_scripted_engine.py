@@ -12,6 +12,7 @@ import pytest
 
 from kvreuse import Request
 from kvreuse.sched import (
+    POSITIONAL_PERIOD,
     ContentTokens,
     FakeEngine,
     PositionalTokens,
@@ -61,7 +62,24 @@ def test_content_tokens_are_the_fake_backends_tokens(prompt_len: int, output_len
 
 def test_positional_tokens_are_token_at() -> None:
     seq = _seq("r7", [1, 2, 3])
-    assert PositionalTokens(500)(seq, 3, ()) == token_at("r7", 3, 500)
+    source = PositionalTokens(500)
+    assert source(seq, 3, ()) == token_at("r7", 3, 500)
+    period = POSITIONAL_PERIOD
+    for rid, start, stop in [
+        ("r7", 0, 40),
+        ("a", period - 3, period + 5),
+        ("b", 9, 9 + 2 * period + 7),
+    ]:
+        run = source.run(rid, start, stop)
+        assert run == [token_at(rid, p, 500) for p in range(start, stop)], (rid, start, stop)
+        assert all(0 <= t < 500 for t in run)
+    assert source.run("r7", 5, 5) == []
+    # different requests read different tokens; a request's tokens repeat only after a period
+    assert source.run("r7", 0, 40) != source.run("r8", 0, 40)
+    assert (
+        token_at("r7", 11) == token_at("r7", 11 + period)
+        and len(set(PositionalTokens().run("r7", 0, 400))) > 390  # vocab 32,000: few repeats
+    )
 
 
 def test_save_policies_report_the_end_or_everything_up_to_it() -> None:

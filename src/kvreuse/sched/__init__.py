@@ -4,6 +4,7 @@ simulation and tests."""
 from kvreuse.sched.advance import FastForward
 from kvreuse.sched.config import SchedulerConfig
 from kvreuse.sched.engine import (
+    POSITIONAL_PERIOD,
     ContentTokens,
     DecodeScript,
     FakeEngine,
@@ -16,6 +17,7 @@ from kvreuse.sched.engine import (
 from kvreuse.sched.scheduler import Engine, Scheduler, Seq, StepStats
 
 __all__ = [
+    "POSITIONAL_PERIOD",
     "ContentTokens",
     "DecodeScript",
     "Engine",

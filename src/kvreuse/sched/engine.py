@@ -7,7 +7,8 @@ reports, how drafts are accepted. Every run of the same workload generates the s
 
 Token sources (`TokenSource`: the token at `position` of a sequence):
 
-    PositionalTokens   a pure function of (request id, position): CRC-32 of "id/position"
+    PositionalTokens   a pure function of (request id, position): a fixed table read from
+                       an offset per request (CRC-32 of the id)
     ContentTokens      a pure function of the tokens before the position (warm == cold)
     ReplayTokens       a recorded output, replayed token by token
 
@@ -21,8 +22,11 @@ scheduler's fast-forward (`kvreuse.sched.advance`) advance a request over many s
 
 from __future__ import annotations
 
+import array
+import functools
 import hashlib
 import random
+import sys
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol
@@ -41,9 +45,25 @@ class TokenSource(Protocol):
         ...
 
 
+POSITIONAL_PERIOD = 1 << 16  # positions of a request before its positional tokens repeat
+
+
+@functools.cache
+def _positional_table(vocab: int) -> array.array[int]:
+    """SHAKE-128 words mod `vocab`, one per position of a period, written twice so that a
+    run of up to a period is one slice wherever it starts."""
+    words = array.array("I", hashlib.shake_128(b"kvreuse/positional-tokens/").digest(4 << 16))
+    if sys.byteorder != "little":
+        words.byteswap()  # the same tokens on every machine
+    return array.array("I", [w % vocab for w in words]) * 2
+
+
 def token_at(request_id: str, position: int, vocab: int = 32000) -> int:
-    """A stable pseudo-random token (CRC-32 of "id/position"; Python's hash() is salted)."""
-    return zlib.crc32(f"{request_id}/{position}".encode()) % vocab
+    """A stable pseudo-random token: word (CRC-32 of the id + position) mod the period of a
+    fixed table (Python's hash() is salted). A request's tokens are the table read from its
+    own offset, so a run of them is a slice."""
+    offset = (zlib.crc32(request_id.encode()) + position) % POSITIONAL_PERIOD
+    return _positional_table(vocab)[offset]
 
 
 class PositionalTokens:
@@ -55,14 +75,18 @@ class PositionalTokens:
         self.vocab = vocab
 
     def __call__(self, seq: Seq, position: int, new: Sequence[int]) -> int:
-        # token_at inlined: the simulator asks for one token per decode step
-        return zlib.crc32(f"{seq.request_id}/{position}".encode()) % self.vocab
+        return token_at(seq.request_id, position, self.vocab)
 
     def run(self, request_id: str, start: int, stop: int) -> list[int]:
-        """The tokens at positions [start, stop): `token_at` of each, the CRC-32 of the id and
-        the slash computed once (CRC-32 continues from a running value)."""
-        head, vocab, crc32 = zlib.crc32(f"{request_id}/".encode()), self.vocab, zlib.crc32
-        return [crc32(b"%d" % p, head) % vocab for p in range(start, stop)]
+        """The tokens at positions [start, stop): `token_at` of each, as slices of the table."""
+        table, period = _positional_table(self.vocab), POSITIONAL_PERIOD
+        offset = (zlib.crc32(request_id.encode()) + start) % period
+        out: list[int] = []
+        while stop - start > period:  # (a run longer than the period: whole periods first)
+            out += table[offset : offset + period].tolist()
+            start += period
+        out += table[offset : offset + stop - start].tolist() if stop > start else []
+        return out
 
 
 class ContentTokens:
