@@ -15,7 +15,7 @@ from kvreuse.core.errors import InvariantError
 from kvreuse.core.ledger import StepLedger
 from kvreuse.core.pool import NULL, BlockPool
 from kvreuse.core.request import Phase, RequestState
-from kvreuse.core.savepoints import rolling_range
+from kvreuse.core.savepoints import next_save_position, rolling_range, save_positions
 
 
 def _fail(code: str, msg: str) -> None:
@@ -192,3 +192,8 @@ def _check_requests(geo: Geometry, pool: BlockPool, requests: Collection[Request
             for c in planned:
                 if c <= 0 or c % u:  # is_quiet_decode relies on it
                     _fail("I14", f"{st.request_id} plans a state of group {gid} at {c}")
+        # (not a rule of the cache: the scheduler's shortcut to the first save position)
+        wanted = save_positions(geo, st, st.planned, st.scheduled)
+        first = next_save_position(geo, st, st.planned, st.scheduled)
+        if first != (wanted[0] if wanted else None):
+            _fail("I14", f"{st.request_id}: next save position {first}, but it wants {wanted}")

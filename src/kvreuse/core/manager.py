@@ -42,7 +42,7 @@ from kvreuse.core.plan import RequestPlan, StepPlan
 from kvreuse.core.pool import BlockPool
 from kvreuse.core.request import Deferral, Phase, Request, RequestState, new_request_state
 from kvreuse.core.rules import check_allocate, plain_growth
-from kvreuse.core.savepoints import planned_positions, save_positions
+from kvreuse.core.savepoints import next_save_position, planned_positions, save_positions
 from kvreuse.core.shared_tier import SharedTier, TierTurns
 from kvreuse.core.tier_lookup import NO_TIER_TOKENS, TierLoads, TierView, device_hits, tier_sources
 from kvreuse.core.tiers import TierSpec, TierStack
@@ -405,6 +405,10 @@ class KVCacheManager(Observed, TierTurns):
         return save_positions(self.geo, st, st.planned, st.scheduled)
 
     def next_save_position(self, req_id: str, lookup: LookupResult | None = None) -> int | None:
+        """The first of `save_positions(req_id, lookup)`, or None (what a scheduler reads)."""
+        st = self._get(req_id, "save_positions")
+        if lookup is None and st.phase is not Phase.WAITING:
+            return next_save_position(self.geo, st, st.planned, st.scheduled)
         positions = self.save_positions(req_id, lookup)
         return positions[0] if positions else None
 

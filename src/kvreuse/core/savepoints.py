@@ -170,3 +170,27 @@ def save_positions(
     top = num // u * u
     want.update(c for c in (top - geo.kappa * u, top) if c > 0 and c > after)
     return sorted(want)
+
+
+def next_save_position(
+    geo: Geometry, req: RequestState, planned: Mapping[int, Mapping[int, SavePurpose]], after: int
+) -> int | None:
+    """`save_positions(...)[0]` (None for none), without listing the rest: a scheduler asks
+    for it at every prefill chunk, and a dense geometry plans hundreds of positions ahead."""
+    if not geo.caching_enabled or not geo.recurrent:
+        return None
+    u, num = geo.hash_unit, len(req.tokens)
+    top = num // u * u
+    found = [c for c in (top - geo.kappa * u, top) if c > 0 and c > after]
+    for g in geo.recurrent:
+        mine = planned.get(g.group_id)
+        if mine:
+            first = min(filter(after.__lt__, mine), default=None)
+            if first is not None:
+                found.append(first)
+        if geo.dense_retention:
+            M = g.page_size
+            lo = max(after, req.dense_from if req.phase is Phase.RUNNING else num)
+            if lo // M * M + M <= num:
+                found.append(lo // M * M + M)
+    return min(found) if found else None

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import math
 import re
-import sys
 from collections.abc import Callable
 from dataclasses import replace
 from decimal import Decimal, InvalidOperation
@@ -214,45 +213,3 @@ def with_tiers(
         if tokens is not None
     ]
     return replace(geo, tiers=(*geo.tiers, *tiers)) if tiers else geo
-
-
-def add_trace_options(p: argparse.ArgumentParser) -> None:
-    """`--trace FORMAT` and `--time-scale X`: the workload file is a public trace, imported in
-    this process as `kvreuse workload import FORMAT` would (docs/traces.md)."""
-    from kvreuse.sim.traces import FORMATS
-
-    p.add_argument(
-        "--trace",
-        choices=sorted(FORMATS),
-        default=None,
-        metavar="FORMAT",
-        help="the workload file is a trace in this format (mooncake, bailian), imported as "
-        "kvreuse workload import FORMAT would, with its defaults",
-    )
-    p.add_argument(
-        "--time-scale",
-        type=number(0, 1e6),
-        default=None,
-        metavar="X",
-        help="with --trace: multiply arrival times by X (0.5: twice the request rate)",
-    )
-
-
-def read_workload_arg(path: Any, args: argparse.Namespace, prog: str) -> list[Any]:
-    """The workload in `path`: a workload JSONL file, or with --trace a trace imported here (its
-    import line, as the import command prints it, on stderr unless --quiet). A WorkloadError
-    names what was wrong."""
-    from kvreuse.sim.traces import ImportOptions, read_trace
-    from kvreuse.sim.workload import WorkloadError, read_workload
-
-    fmt, scale = getattr(args, "trace", None), getattr(args, "time_scale", None)
-    if fmt is None:
-        if scale is not None:
-            raise WorkloadError("--time-scale applies to a trace: give --trace FORMAT with it")
-        return read_workload(path)
-    workload, stats = read_trace(
-        path, fmt, ImportOptions(time_scale=1.0 if scale is None else scale)
-    )
-    if not getattr(args, "quiet", False):
-        print(f"{prog}: {path}: {stats.summary('imported')}", file=sys.stderr)
-    return workload

@@ -31,9 +31,7 @@ from kvreuse.deployment import (
 from kvreuse.sim.args import (
     Help,
     add_tier_options,
-    add_trace_options,
     number,
-    read_workload_arg,
     size,
     with_tiers,
 )
@@ -48,6 +46,7 @@ from kvreuse.sim.run import (
     simulate,
     without_deferral,
 )
+from kvreuse.sim.traces import add_trace_options, read_workload_arg
 from kvreuse.sim.workload import WorkloadError, WorkloadRequest
 
 DEFAULT_COST = CostModel()

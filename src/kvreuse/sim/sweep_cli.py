@@ -22,7 +22,7 @@ from typing import Any
 
 from kvreuse.core import ConfigError
 from kvreuse.deployment import Deployment, GeometryError, resolve
-from kvreuse.sim.args import Help, add_tier_options, add_trace_options, int_range, read_workload_arg
+from kvreuse.sim.args import Help, add_tier_options, int_range
 from kvreuse.sim.cli import clear_outputs, prepare_out
 from kvreuse.sim.cost import CostModel
 from kvreuse.sim.progress import Progress
@@ -37,6 +37,7 @@ from kvreuse.sim.sweep import (
     run_cases,
     run_cases_on_ray,
 )
+from kvreuse.sim.traces import add_trace_options, read_workload_arg
 from kvreuse.sim.workload import WorkloadError
 
 DEFAULT_CAPACITIES = "1M,3M,10M,50M,inf"

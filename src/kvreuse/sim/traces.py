@@ -21,14 +21,16 @@ Every bad record stops the import with one line naming the file, the line and th
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import math
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvreuse.sim.args import plural
+from kvreuse.sim.args import number, plural
 from kvreuse.sim.jsonl import LineError, json_lines
 from kvreuse.sim.workload import (
     MAX_ARRIVAL_S,
@@ -38,6 +40,7 @@ from kvreuse.sim.workload import (
     WorkloadError,
     WorkloadRequest,
     load_objects,
+    read_workload,
 )
 
 
@@ -340,3 +343,40 @@ def read_trace(
     if not workload:
         raise WorkloadError(f"{path}: no records")
     return workload, stats
+
+
+def add_trace_options(p: argparse.ArgumentParser) -> None:
+    """`--trace FORMAT` and `--time-scale X`: the workload file is a public trace, imported in
+    this process as `kvreuse workload import FORMAT` would (docs/traces.md)."""
+    p.add_argument(
+        "--trace",
+        choices=sorted(FORMATS),
+        default=None,
+        metavar="FORMAT",
+        help="the workload file is a trace in this format (mooncake, bailian), imported as "
+        "kvreuse workload import FORMAT would, with its defaults",
+    )
+    p.add_argument(
+        "--time-scale",
+        type=number(0, 1e6),
+        default=None,
+        metavar="X",
+        help="with --trace: multiply arrival times by X (0.5: twice the request rate)",
+    )
+
+
+def read_workload_arg(path: Path, args: argparse.Namespace, prog: str) -> list[WorkloadRequest]:
+    """The workload in `path`: a workload JSONL file, or with --trace a trace imported here (its
+    import line, as the import command prints it, on stderr unless --quiet). A WorkloadError
+    names what was wrong."""
+    fmt, scale = getattr(args, "trace", None), getattr(args, "time_scale", None)
+    if fmt is None:
+        if scale is not None:
+            raise WorkloadError("--time-scale applies to a trace: give --trace FORMAT with it")
+        return read_workload(path)
+    workload, stats = read_trace(
+        path, fmt, ImportOptions(time_scale=1.0 if scale is None else scale)
+    )
+    if not getattr(args, "quiet", False):
+        print(f"{prog}: {path}: {stats.summary('imported')}", file=sys.stderr)
+    return workload
