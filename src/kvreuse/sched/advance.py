@@ -32,9 +32,10 @@ its last prompt token has an event in every step. A step that can admit runs the
 own admission after the step's growth (lookups, deferral, FCFS), as `Scheduler.step()` does:
 the lookups see the same index and the same pending keys, since a quiet step would publish
 nothing and its request has no plan in the step. A stretch lasts while every decoding request
-fits the token budget and the step's pages and saves surely fit the free blocks; before a step
-that might preempt, every request is brought up to date with one plan of its quiet steps
-(`close`) and the scheduler's own `step()` takes that step. `tests/sim/test_fast_forward.py`
+fits the token budget and every plan of the step surely gets its pages (saves are best effort:
+they only take blocks from the plans after them, `_fits`); before a step that might preempt,
+every request is brought up to date with one plan of its quiet steps (`close`) and the
+scheduler's own `step()` takes that step. `tests/sim/test_fast_forward.py`
 holds both paths to identical rows, summaries, timelines and event streams.
 """
 
@@ -299,21 +300,21 @@ class FastForward:
         return active
 
     def _fits(self, active: list[_Lane], chunks: list[tuple[_Lane, int]]) -> bool:
-        """The step's fresh pages and, at most, its saves fit the free blocks: no plan that
-        grows a running request can fail, so the step preempts nobody."""
+        """No plan of the step can fail, so it preempts nobody: in plan order, each plan's fresh
+        pages fit what the plans before it left, their saves counted as taken (the core skips
+        a save when the pool is dry, so a save never fails its own plan)."""
         mgr, d, u, groups = self.sched.mgr, self.decode, self.unit, self.save_groups
-        need = 0
-        for lane in active:
-            end = lane.t_event + d
-            need += mgr.blocks_needed(lane.seq.request_id, end - lane.base)
-            if groups:  # a save per group and unit boundary in (base, end], at most
-                need += groups * (end // u - lane.base // u)
-        for lane, n in chunks:
-            start = lane.seq.scheduled
-            need += mgr.blocks_needed(lane.seq.request_id, n)
-            if groups:
-                need += groups * ((start + n) // u - start // u)
-        return need <= mgr.num_free_blocks
+        left = mgr.num_free_blocks
+        asks = [(lane.seq, lane.base, lane.t_event + d) for lane in active]
+        asks += [(lane.seq, lane.seq.scheduled, lane.seq.scheduled + n) for lane, n in chunks]
+        for seq, start, end in asks:
+            pages = mgr.blocks_needed(seq.request_id, end - start)
+            if pages > left:
+                return False
+            left -= pages
+            if groups:  # a save per group and unit boundary in (start, end], at most
+                left -= min(left, groups * (end // u - start // u))
+        return True
 
     def _run(self, lanes: list[_Lane], stats: StepStats) -> tuple[int, int]:
         """Seal the step (its plans are `lanes`' in order: decoding events, prefill chunks,
