@@ -372,10 +372,10 @@ def _sweep_conversation(saved: str | None = None) -> tuple[str, dict[str, Any]]:
     """docs/sweeps.md's worked example, from the sweep.json its commands write (`saved`: the
     --out folder): per case `GEOMETRY.CAPACITY.FIELD`, the geometry as given (a file's stem)."""
     command = (
-        "kvreuse workload import mooncake conversation_trace.jsonl --time-scale 4 > conv.jsonl; "
         "kvreuse geometry show hybrid-dcp4 > hybrid-dcp4-sparse.toml (+ its [cost]); kvreuse "
-        "sweep conv.jsonl --geometry hybrid-dcp4-ckpt256 --geometry hybrid-dcp4-ckpt2048 "
-        "--geometry hybrid-dcp4-sparse.toml --capacity 1M,3M,10M,50M,inf --out conv-sweep"
+        "sweep conversation_trace.jsonl --trace mooncake --time-scale 4 --geometry "
+        "hybrid-dcp4-ckpt256 --geometry hybrid-dcp4-ckpt2048 --geometry hybrid-dcp4-sparse.toml "
+        "--capacity 1M,3M,10M,50M,inf --jobs 2 --out conv-sweep"
     )
     if saved is None:
         raise SystemExit("figures: run the commands, then record sweep_conversation --from DIR")
@@ -390,6 +390,7 @@ def _sweep_conversation(saved: str | None = None) -> tuple[str, dict[str, Any]]:
             if isinstance(v, int | float) and not isinstance(v, bool):
                 values[f"{pre}.{key}"] = v
     values["wall_s"] = sum(case.get("wall_s", 0.0) for case in doc["cases"])
+    values["elapsed_s"] = doc["elapsed_s"]  # the sweep's own wall time
     return command, values
 
 

@@ -150,6 +150,18 @@ def test_a_parallel_sweep_equals_the_cases_run_one_by_one(tmp_path: Path) -> Non
         assert (out / name).read_bytes()[:8] == PNG
     report = (out / "sweep.md").read_text()
     assert "| attention-16 | 20K" in report and "![prefill_time.png](prefill_time.png)" in report
+    doc = json.loads((out / "sweep.json").read_text())
+    # the sweep's own time: the cases ran two at a time, so no more than their sum (and a bit)
+    assert 0 < doc["elapsed_s"] <= sum(r["wall_s"] for r in rows) + 5
+    assert doc["cases_per_s"] == pytest.approx(4 / doc["elapsed_s"], rel=0.05)
+
+
+def test_a_sweep_says_how_fast_it_went(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["sweep", str(_workload(tmp_path)), "--geometry", "attention-16", "--capacity",
+                 "inf", "--out", str(tmp_path / "o"), "--jobs", "1", "--no-plots"])  # fmt: skip
+    assert code == 0
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("kvreuse sweep: 1 case in ") and last.endswith(" cases/s)")
 
 
 def test_percentiles_are_nearest_rank() -> None:

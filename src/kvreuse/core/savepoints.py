@@ -134,14 +134,17 @@ def step_saves(
     """
     u = geo.hash_unit
     decode = start >= len(req.tokens) - 1 and start > 0
-    if decode and end // u == start // u and not any(start < c <= end for c in planned):
-        return []  # most decode steps: no unit boundary, nothing planned in (start, end]
+    if decode and end // u == start // u:
+        return []  # most decode steps: no unit boundary, so nothing planned either (I14)
     floor = start + 1 if decode else max(start + 1, end // u * u - geo.kappa * u)
     chosen: dict[int, SavePurpose] = {
         c: SavePurpose.ROLLING for c in range(-(-floor // u) * u, end + 1, u) if c > start
     }
-    for c, why in planned.items():
-        if start < c <= end and c not in chosen:
+    # planned positions are unit boundaries (I14): look up the step's few boundaries rather
+    # than walk every position a dense geometry has planned
+    for c in range(start // u * u + u, end + 1, u):
+        why = planned.get(c)
+        if why is not None and c not in chosen:
             chosen[c] = why
     return sorted(
         ((c, why, c in planned) for c, why in chosen.items()), key=lambda t: (_RANK[t[1]], t[0])
@@ -182,15 +185,24 @@ def next_save_position(
     u, num = geo.hash_unit, len(req.tokens)
     top = num // u * u
     found = [c for c in (top - geo.kappa * u, top) if c > 0 and c > after]
-    for g in geo.recurrent:
-        mine = planned.get(g.group_id)
-        if mine:
-            first = min(filter(after.__lt__, mine), default=None)
-            if first is not None:
-                found.append(first)
-        if geo.dense_retention:
+    if geo.dense_retention:
+        lo = max(after, req.dense_from if req.phase is Phase.RUNNING else num)
+        for g in geo.recurrent:
             M = g.page_size
-            lo = max(after, req.dense_from if req.phase is Phase.RUNNING else num)
             if lo // M * M + M <= num:
                 found.append(lo // M * M + M)
-    return min(found) if found else None
+    bound = min(found) if found else None
+    for g in geo.recurrent:
+        mine = planned.get(g.group_id)
+        if not mine:
+            continue
+        if bound is not None and (bound - after) // u < len(mine):
+            # fewer unit boundaries below the bound than planned positions (I14: planned
+            # positions are boundaries): look those up
+            below = range(after // u * u + u, bound, u)
+            first = next((c for c in below if c in mine), None)
+        else:
+            first = min(filter(after.__lt__, mine), default=None)
+        if first is not None and (bound is None or first < bound):
+            bound = first
+    return bound

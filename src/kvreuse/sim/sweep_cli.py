@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+import time
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
 from kvreuse.core import ConfigError
 from kvreuse.deployment import Deployment, GeometryError, resolve
-from kvreuse.sim.args import Help, add_tier_options, int_range
+from kvreuse.sim.args import Help, add_tier_options, int_range, plural
 from kvreuse.sim.cli import clear_outputs, prepare_out
 from kvreuse.sim.cost import CostModel
 from kvreuse.sim.progress import Progress
@@ -182,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
     clear_outputs(args.out, OUTPUTS)
     progress = Progress(not args.quiet, "kvreuse sweep")
     done: list[Row] = []
+    started = time.monotonic()
     try:
         with progress.phase(f"{len(cases)} cases", len(cases), "case") as on_case:
             if args.ray is not None:
@@ -196,14 +199,21 @@ def run(args: argparse.Namespace) -> int:
     except ConnectionError as exc:  # Ray could not reach ADDRESS
         return _fail(f"--ray {args.ray}: {exc}")
     except KeyboardInterrupt:
-        _write(args, geometries, capacities, done, interrupted=True)
+        _write(args, geometries, capacities, done, time.monotonic() - started, interrupted=True)
         return _fail(
             f"interrupted after {len(done)} of {len(cases)} cases; they are in "
             f"{args.out}/sweep.json",
             INTERRUPTED,
         )
-    doc = _write(args, geometries, capacities, rows, interrupted=False)
+    elapsed = time.monotonic() - started
+    doc = _write(args, geometries, capacities, rows, elapsed, interrupted=False)
     print(json.dumps(doc, indent=2) if args.json else "\n".join(sweep_table(rows)))
+    if not args.quiet:
+        rate = len(rows) / elapsed if elapsed > 0 else math.inf
+        print(
+            f"kvreuse sweep: {plural(len(rows), 'case')} in {elapsed:,.1f} s ({rate:.3g} cases/s)",
+            file=sys.stderr,
+        )
     return _verdict(rows)
 
 
@@ -232,6 +242,7 @@ def _write(
     geometries: list[tuple[str, Deployment]],
     capacities: list[int | None],
     rows: list[Row],
+    elapsed_s: float,
     interrupted: bool,
 ) -> dict[str, Any]:
     out: Path = args.out
@@ -240,6 +251,9 @@ def _write(
         "geometries": [{"geometry": label, "cost": _cost_fields(geo)} for label, geo in geometries],
         "capacities": [capacity_label(c) for c in capacities],
         "interrupted": interrupted,
+        # the sweep's own wall time (the cases' wall_s add up to more with --jobs > 1)
+        "elapsed_s": round(elapsed_s, 3),
+        "cases_per_s": round(len(rows) / elapsed_s, 4) if elapsed_s > 0 else None,
         "cases": rows,
     }
     (out / "sweep.json").write_text(json.dumps(doc, indent=2) + "\n")
