@@ -119,15 +119,16 @@ def write() -> int:
 
 
 # ------------------------------------------------------------------------------ recipes
-def machine(saved: bool = False) -> str:
+def machine(saved: bool = False, note: str | None = None) -> str:
+    """This machine and its load: measured at the start of a recipe's own run; for a saved
+    run's output, what `--note` says of it (else that its load was not recorded)."""
     from kvreuse.core import describe_core_path
 
     load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    load = (
-        "run beside other jobs (load average 2 to 7)"
-        if saved
-        else f"load average {load1:.1f} at the start (other jobs shared the machine)"
-    )
+    if saved:
+        load = note or "a saved run's output; the load during that run was not recorded"
+    else:
+        load = f"load average {load1:.1f} at the start" + (f"; {note}" if note else "")
     return (
         f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_implementation()} "
         f"{platform.python_version()}, {describe_core_path()}; {load}"
@@ -443,10 +444,10 @@ RECIPES: dict[str, Callable[..., tuple[str, dict[str, Any]]]] = {
 }
 
 
-def record(name: str, saved: str | None = None) -> None:
+def record(name: str, saved: str | None = None, note: str | None = None) -> None:
     if name not in RECIPES:
         raise SystemExit(f"figures: no recipe {name!r}; recipes: {', '.join(RECIPES)}")
-    where = machine(saved is not None)
+    where = machine(saved is not None, note)
     command, values = RECIPES[name](saved) if saved else RECIPES[name]()
     doc = {
         "command": command,
@@ -470,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FILE",
         help="one NAME: read its command's output saved from a run of it (today, this machine)",
     )
+    rec.add_argument(
+        "--note", help="how the machine was loaded during the run (recorded with the machine)"
+    )
     sub.add_parser("write", help="put every record's values into the docs")
     sub.add_parser("check", help="exit 1 when a doc's figure differs from its record")
     args = ap.parse_args(argv)
@@ -477,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.saved and len(args.names) != 1:
             ap.error("--from takes one NAME")
         for name in args.names:
-            record(name, args.saved)
+            record(name, args.saved, args.note)
         return 0
     if args.action == "write":
         return write()
