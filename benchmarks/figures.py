@@ -263,6 +263,32 @@ def _fleet_bench(saved: str | None = None) -> tuple[str, dict[str, Any]]:
     return command, json_lines(_saved(saved, command), ("workload", "policy"))
 
 
+def _mocker(saved: str | None = None) -> tuple[str, dict[str, Any]]:
+    """From the JSON lines mocker_bench.py prints: per case both tools' median CPU seconds, the
+    ratio, both hit rates and the per-request agreement."""
+    command = (
+        "benchmarks/mocker_bench.py --conversation conversation_trace.jsonl --synthetic "
+        "synthetic_trace.jsonl --rounds 3 > mocker.jsonl"
+    )
+    if saved is None:
+        raise SystemExit("figures: run the command, then record mocker --from its output")
+    values: dict[str, Any] = {}
+    for line in Path(saved).read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line)
+        if rec.get("metric") != "case":
+            continue
+        pre = rec["case"]
+        values[f"{pre}.requests"] = rec["requests"]
+        values[f"{pre}.pool_blocks"] = rec["pool_blocks"]
+        values[f"{pre}.mocker_cpu_s"] = rec["mocker_cpu_s"]["median"]
+        values[f"{pre}.kvreuse_cpu_s"] = rec["kvreuse_cpu_s"]["median"]
+        values[f"{pre}.ratio"] = rec["ratio"]
+        values[f"{pre}.mocker_hit_rate"] = rec["mocker_hit_rate"]
+        values[f"{pre}.kvreuse_hit_rate"] = rec["kvreuse_hit_rate"]
+        values[f"{pre}.agree"] = rec["agreement"]["agree"]
+    return command, values
+
+
 def _fleet_mooncake(saved: str | None = None) -> tuple[str, dict[str, Any]]:
     """From the --json file fleet_mooncake.py writes: per trace and policy, the summary's
     figures the docs print."""
@@ -434,6 +460,7 @@ RECIPES: dict[str, Callable[..., tuple[str, dict[str, Any]]]] = {
     "trace_synthetic_3m": _trace("synthetic_trace", "3000000"),
     "fleet_bench": _fleet_bench,
     "fleet_mooncake": _fleet_mooncake,
+    "mocker": _mocker,
     "tiers_conversation": _tiers_conversation,
     "tiers_fleet": _tiers_fleet,
     "engine": _engine,

@@ -143,6 +143,23 @@ def geometry_toml(num_blocks: int, max_model_len: int, cost: dict[str, float]) -
     )
 
 
+def hybrid_toml(max_model_len: int, cost: dict[str, float]) -> str:
+    """`--hybrid`: the hybrid-dcp4 preset (8,192-token DCP-4 attention pages, 256-token
+    recurrent states, hash unit 256), which the mocker cannot model, on the same cost model;
+    its pool is set on the command line (the same tokens as the case's)."""
+    from kvreuse import deployment
+
+    return (
+        deployment.geometry_toml(deployment.preset("hybrid-dcp4")).replace(
+            "[cache]\n", f"[cache]\nmax_model_len = {max_model_len}\n", 1
+        )
+        + "\n[cost]\n"
+        + f"prefill_tokens_per_s = {cost['prefill_tokens_per_s']!r}\n"
+        + f"prefill_chunk_s = {cost['prefill_chunk_s']!r}\n"
+        + f"decode_step_s = {cost['decode_step_s']!r}\n"
+    )
+
+
 def run_mocker(python: Path, trace: Path, blocks: int, tmp: Path) -> dict[str, Any]:
     report = tmp / "mocker-requests.jsonl"
     cmd = [str(python), str(REPLAY), "run", str(trace), "--blocks", str(blocks)]
@@ -165,12 +182,15 @@ def run_mocker(python: Path, trace: Path, blocks: int, tmp: Path) -> dict[str, A
     return result
 
 
-def run_kvreuse(trace: Path, geometry: Path, tmp: Path, keys: list[Any]) -> dict[str, Any]:
-    """`kvreuse simulate --trace mooncake` on the trace, a child process."""
+def run_kvreuse(
+    trace: Path, geometry: Path, tmp: Path, keys: list[Any], pool: list[str] | None = None
+) -> dict[str, Any]:
+    """`kvreuse simulate --trace mooncake` on the trace, a child process (`pool`: options that
+    set its pool, as --hybrid's runs need)."""
     kvreuse = [sys.executable, "-m", "kvreuse"]
     out_dir = tmp / "kvreuse-out"
     sim = [*kvreuse, "simulate", str(geometry), str(trace), "--trace", "mooncake"]
-    sim += ["--out", str(out_dir)]
+    sim += ["--out", str(out_dir), *(pool or [])]
     sim += ["--no-compare", "--no-plots", "--quiet", "--json"]
     summary_path = tmp / "kvreuse-summary.json"
     with summary_path.open("w") as out:
@@ -217,18 +237,37 @@ def run_case(name: str, case: Case, trace: Path, ns: argparse.Namespace, tmp: Pa
     geometry = tmp / "geometry.toml"
     geometry.write_text(geometry_toml(pool + 1, max(longest, BUDGET), cost))
     keys = trace_keys(sliced)
-    mocker: list[dict[str, Any]] = []
-    kv: list[dict[str, Any]] = []
+    hybrid = tmp / "hybrid.toml"
+    hybrid.write_text(hybrid_toml(max(longest, BUDGET), cost))
+    fits = pool >= all_blocks
+    hybrid_pool = ["--capacity-tokens", "inf" if fits else str(pool * BLOCK)]
+    tools = ["mocker", "kvreuse", *(["hybrid"] if ns.hybrid else [])]
+    runs: dict[str, list[dict[str, Any]]] = {tool: [] for tool in tools}
     for r in range(ns.rounds):
         print(f"{name}: round {r + 1} of {ns.rounds} …", file=sys.stderr, flush=True)
-        for tool in ("mocker", "kvreuse") if r % 2 == 0 else ("kvreuse", "mocker"):
+        for tool in tools if r % 2 == 0 else tools[::-1]:
             if tool == "mocker":
-                mocker.append(run_mocker(ns.mocker_python, sliced, pool, tmp))
+                runs[tool].append(run_mocker(ns.mocker_python, sliced, pool, tmp))
+            elif tool == "kvreuse":
+                runs[tool].append(run_kvreuse(sliced, geometry, tmp, keys))
             else:
-                kv.append(run_kvreuse(sliced, geometry, tmp, keys))
+                runs[tool].append(run_kvreuse(sliced, hybrid, tmp, keys, hybrid_pool))
     head = {"case": name, "trace": trace.name, "requests": requests, "prompt_tokens": prompt}
-    head.update(pool_blocks=pool, pool_tokens=pool * BLOCK, fits=pool >= all_blocks)
-    emit("case", **head, **compare(mocker, kv, keys), cost_model=cost)
+    head.update(pool_blocks=pool, pool_tokens=pool * BLOCK, fits=fits)
+    extra = hybrid_fields(runs["kvreuse"], runs["hybrid"]) if ns.hybrid else {}
+    emit("case", **head, **compare(runs["mocker"], runs["kvreuse"], keys), **extra, cost_model=cost)
+
+
+def hybrid_fields(kv: list[dict[str, Any]], hyb: list[dict[str, Any]]) -> dict[str, Any]:
+    """--hybrid: hybrid-dcp4's CPU seconds and hit rate, and its CPU over attention's (medians
+    of the same rounds; ≤ 2 is the target)."""
+    kv_cpu, hyb_cpu = [x["cpu_s"] for x in kv], [x["cpu_s"] for x in hyb]
+    return {
+        "hybrid_cpu_s": spread(hyb_cpu),
+        "hybrid_over_attention": round(statistics.median(hyb_cpu) / statistics.median(kv_cpu), 4),
+        "hybrid_hit_rate": round(hyb[0]["hits"] / hyb[0]["queries"], 6),
+        "hybrid_reconciled": all(x["reconciled"] for x in hyb),
+    }
 
 
 def compare(mocker: list[dict[str, Any]], kv: list[dict[str, Any]], keys: list[Any]) -> dict:
@@ -323,6 +362,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--cases", default=",".join(CASES), help="comma list (default: all)")
     ap.add_argument("--limit", type=int, default=None, help="the first N requests of a trace")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default: 3)")
+    ap.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="also run kvreuse on hybrid-dcp4 (the same requests, pool tokens and cost model)",
+    )
     ap.add_argument("--mocker-python", type=Path, default=MOCKER_PYTHON, help="the mocker's venv")
     return ap.parse_args(argv)
 
