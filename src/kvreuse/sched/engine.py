@@ -45,17 +45,20 @@ class TokenSource(Protocol):
         ...
 
 
-POSITIONAL_PERIOD = 1 << 16  # positions of a request before its positional tokens repeat
+POSITIONAL_PERIOD = 1 << 14  # positions of a request before its positional tokens repeat
 
 
 @functools.cache
 def _positional_table(vocab: int) -> array.array[int]:
     """SHAKE-128 words mod `vocab`, one per position of a period, written twice so that a
     run of up to a period is one slice wherever it starts."""
-    words = array.array("I", hashlib.shake_128(b"kvreuse/positional-tokens/").digest(4 << 16))
+    words = array.array(
+        "I", hashlib.shake_128(b"kvreuse/positional-tokens/").digest(4 * POSITIONAL_PERIOD)
+    )
     if sys.byteorder != "little":
         words.byteswap()  # the same tokens on every machine
-    return array.array("I", [w % vocab for w in words]) * 2
+    table = array.array("I", (w % vocab for w in words))  # (no list of 65,536 ints on the way)
+    return table + table
 
 
 def token_at(request_id: str, position: int, vocab: int = 32000) -> int:
