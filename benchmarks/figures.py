@@ -268,7 +268,7 @@ def _mocker(saved: str | None = None) -> tuple[str, dict[str, Any]]:
     ratio, both hit rates and the per-request agreement."""
     command = (
         "benchmarks/mocker_bench.py --conversation conversation_trace.jsonl --synthetic "
-        "synthetic_trace.jsonl --rounds 3 > mocker.jsonl"
+        "synthetic_trace.jsonl --rounds 3 --hybrid > mocker.jsonl"
     )
     if saved is None:
         raise SystemExit("figures: run the command, then record mocker --from its output")
@@ -286,6 +286,10 @@ def _mocker(saved: str | None = None) -> tuple[str, dict[str, Any]]:
         values[f"{pre}.mocker_hit_rate"] = rec["mocker_hit_rate"]
         values[f"{pre}.kvreuse_hit_rate"] = rec["kvreuse_hit_rate"]
         values[f"{pre}.agree"] = rec["agreement"]["agree"]
+        if "hybrid_cpu_s" in rec:  # run with --hybrid
+            values[f"{pre}.hybrid_cpu_s"] = rec["hybrid_cpu_s"]["median"]
+            values[f"{pre}.hybrid_over_attention"] = rec["hybrid_over_attention"]
+            values[f"{pre}.hybrid_hit_rate"] = rec["hybrid_hit_rate"]
     return command, values
 
 
