@@ -293,6 +293,24 @@ def _mocker(saved: str | None = None) -> tuple[str, dict[str, Any]]:
     return command, values
 
 
+def _router(saved: str | None = None) -> tuple[str, dict[str, Any]]:
+    """From the JSON lines router_bench.py prints: per replica count, both sides' median µs per
+    decision, the ratio and the queries with the same best match."""
+    command = "benchmarks/router_bench.py --rounds 3 > router.jsonl"
+    if saved is None:
+        raise SystemExit("figures: run the command, then record router --from its output")
+    values: dict[str, Any] = {}
+    for line in Path(saved).read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line)
+        pre = f"r{rec['replicas']}"
+        values[f"{pre}.kvreuse_us"] = rec["kvreuse_us"]["median"]
+        values[f"{pre}.dynamo_us"] = rec["dynamo_us"]["median"]
+        values[f"{pre}.ratio"] = rec["ratio"]
+        values[f"{pre}.queries"] = rec["queries"]
+        values[f"{pre}.same_best_match"] = rec["same_best_match"]
+    return command, values
+
+
 def _fleet_mooncake(saved: str | None = None) -> tuple[str, dict[str, Any]]:
     """From the --json file fleet_mooncake.py writes: per trace and policy, the summary's
     figures the docs print."""
@@ -465,6 +483,7 @@ RECIPES: dict[str, Callable[..., tuple[str, dict[str, Any]]]] = {
     "fleet_bench": _fleet_bench,
     "fleet_mooncake": _fleet_mooncake,
     "mocker": _mocker,
+    "router": _router,
     "tiers_conversation": _tiers_conversation,
     "tiers_fleet": _tiers_fleet,
     "engine": _engine,
