@@ -263,34 +263,41 @@ def _fleet_bench(saved: str | None = None) -> tuple[str, dict[str, Any]]:
     return command, json_lines(_saved(saved, command), ("workload", "policy"))
 
 
+def _picked(saved: str, metric: str | None, prefix: Callable[[dict[str, Any]], str],
+            fields: dict[str, str]) -> dict[str, Any]:  # fmt: skip
+    """A benchmark's own JSON lines (not `json_lines`' metric/value/params) as flat values: per
+    line of `metric` (None: every line), `PREFIX.name` for each name → dotted path in `fields`
+    that the line has."""
+    values: dict[str, Any] = {}
+    for line in Path(saved).read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line)
+        if metric is not None and rec.get("metric") != metric:
+            continue
+        pre = prefix(rec)
+        for name, path in fields.items():
+            v: Any = rec
+            for part in path.split("."):
+                v = v.get(part) if isinstance(v, dict) else None
+            if v is not None:
+                values[f"{pre}.{name}"] = v
+    return values
+
+
 def _mocker(saved: str | None = None) -> tuple[str, dict[str, Any]]:
     """From the JSON lines mocker_bench.py prints: per case both tools' median CPU seconds, the
-    ratio, both hit rates and the per-request agreement."""
+    ratio, both hit rates, the per-request agreement and (with --hybrid) hybrid-dcp4's."""
     command = (
         "benchmarks/mocker_bench.py --conversation conversation_trace.jsonl --synthetic "
         "synthetic_trace.jsonl --rounds 3 --hybrid > mocker.jsonl"
     )
     if saved is None:
         raise SystemExit("figures: run the command, then record mocker --from its output")
-    values: dict[str, Any] = {}
-    for line in Path(saved).read_text(encoding="utf-8").splitlines():
-        rec = json.loads(line)
-        if rec.get("metric") != "case":
-            continue
-        pre = rec["case"]
-        values[f"{pre}.requests"] = rec["requests"]
-        values[f"{pre}.pool_blocks"] = rec["pool_blocks"]
-        values[f"{pre}.mocker_cpu_s"] = rec["mocker_cpu_s"]["median"]
-        values[f"{pre}.kvreuse_cpu_s"] = rec["kvreuse_cpu_s"]["median"]
-        values[f"{pre}.ratio"] = rec["ratio"]
-        values[f"{pre}.mocker_hit_rate"] = rec["mocker_hit_rate"]
-        values[f"{pre}.kvreuse_hit_rate"] = rec["kvreuse_hit_rate"]
-        values[f"{pre}.agree"] = rec["agreement"]["agree"]
-        if "hybrid_cpu_s" in rec:  # run with --hybrid
-            values[f"{pre}.hybrid_cpu_s"] = rec["hybrid_cpu_s"]["median"]
-            values[f"{pre}.hybrid_over_attention"] = rec["hybrid_over_attention"]
-            values[f"{pre}.hybrid_hit_rate"] = rec["hybrid_hit_rate"]
-    return command, values
+    fields = {k: k for k in ("requests", "pool_blocks", "ratio", "mocker_hit_rate")}
+    fields.update({k: k for k in ("kvreuse_hit_rate", "hybrid_over_attention", "hybrid_hit_rate")})
+    for k in ("mocker_cpu_s", "kvreuse_cpu_s", "hybrid_cpu_s"):
+        fields[k] = f"{k}.median"
+    fields["agree"] = "agreement.agree"
+    return command, _picked(saved, "case", lambda rec: rec["case"], fields)
 
 
 def _router(saved: str | None = None) -> tuple[str, dict[str, Any]]:
@@ -299,16 +306,9 @@ def _router(saved: str | None = None) -> tuple[str, dict[str, Any]]:
     command = "benchmarks/router_bench.py --rounds 3 > router.jsonl"
     if saved is None:
         raise SystemExit("figures: run the command, then record router --from its output")
-    values: dict[str, Any] = {}
-    for line in Path(saved).read_text(encoding="utf-8").splitlines():
-        rec = json.loads(line)
-        pre = f"r{rec['replicas']}"
-        values[f"{pre}.kvreuse_us"] = rec["kvreuse_us"]["median"]
-        values[f"{pre}.dynamo_us"] = rec["dynamo_us"]["median"]
-        values[f"{pre}.ratio"] = rec["ratio"]
-        values[f"{pre}.queries"] = rec["queries"]
-        values[f"{pre}.same_best_match"] = rec["same_best_match"]
-    return command, values
+    fields = {"kvreuse_us": "kvreuse_us.median", "dynamo_us": "dynamo_us.median"}
+    fields.update({k: k for k in ("ratio", "queries", "same_best_match")})
+    return command, _picked(saved, None, lambda rec: f"r{rec['replicas']}", fields)
 
 
 def _fleet_mooncake(saved: str | None = None) -> tuple[str, dict[str, Any]]:

@@ -28,13 +28,7 @@ from kvreuse.deployment import (
     preset,
     resolve,
 )
-from kvreuse.sim.args import (
-    Help,
-    add_tier_options,
-    number,
-    size,
-    with_tiers,
-)
+from kvreuse.sim.args import Help, add_tier_options, number, size, with_tiers
 from kvreuse.sim.fit import check_fit, never_evicting_blocks
 from kvreuse.sim.progress import Progress
 from kvreuse.sim.report import PLOTS, summary_table, write_report
