@@ -5,8 +5,9 @@ One replica's pool (full attention, 16-token blocks, `--blocks` of them) serves 
 share a short prefix and carry a fresh tail, in waves of 8, until it has stored `--turnover`
 times its capacity in blocks, so the mirror sees as many removals as stores and its memos of
 removed boundaries fill and evict. After each wave the manager's events are converted
-(`Converter.convert`, the live path's conversion) and applied to a `ReplicaMirror`; the CPU time
-of convert + apply is one batch's cost.
+(`Converter.convert`, the live path's conversion) and applied to the replica's mirror in a
+`Router` (`Router.apply`: the mirror and the router's index of which replicas hold each key,
+`kvreuse.events.holders`); the CPU time of convert + apply is one batch's cost.
 
 Prints one JSON line: the median batch cost (µs) in each tenth of the run, the ratio of the last
 tenth to the middle one and to the first (flat is 1.0), and the blocks stored per capacity. The
@@ -28,8 +29,9 @@ import statistics
 import time
 
 from kvreuse.core import CacheConfig, GroupSpec, KVCacheManager, Request
-from kvreuse.events import Converter, ReplicaMirror
+from kvreuse.events import Converter
 from kvreuse.events.wire import BlockStored
+from kvreuse.fleet.routing.router import Router
 
 BLOCK, PROMPT, PREFIX, WAVE = 16, 512, 128, 8
 
@@ -41,7 +43,8 @@ def run(num_blocks: int, turnover: int) -> dict[str, float]:
         enable_events=True,
     )
     mgr = KVCacheManager(cfg)
-    converter, mirror = Converter(mgr.geo), ReplicaMirror(mgr.geo)
+    converter, router = Converter(mgr.geo), Router(cfg, "exact")
+    router.add_replica("r0")
     rng = random.Random(7)
     prefix = [rng.randrange(32000) for _ in range(PREFIX)]
     costs: list[int] = []
@@ -64,7 +67,7 @@ def run(num_blocks: int, turnover: int) -> dict[str, float]:
         raw = mgr.take_events()
         c0 = time.thread_time_ns()
         events = converter.convert(raw)
-        mirror.apply(events)
+        router.apply(0, events)
         costs.append(time.thread_time_ns() - c0)
         stored += sum(len(ev.block_hashes) for ev in events if isinstance(ev, BlockStored))
         if full_at < 0 and stored >= num_blocks:

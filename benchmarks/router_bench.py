@@ -6,10 +6,13 @@ R replicas (`--replicas`, default 1, 4 and 16) of one full-attention group of 16
 tokens) and carry a fresh tail (512 tokens), handed out round robin; each replica is a
 KVCacheManager, and after each wave its events are converted as the live path converts them
 (`Converter`). The stream is recorded once per R, with a query (the next wave's prompts) after
-every batch, and then replayed by both:
+every batch, written to one file, and then replayed from it by both, each round in a fresh
+process of its own (a process that built other routers first would time this one on a heap
+they fragmented: 30 % slower for 16 replicas after 1 and 4, seen here):
 
 * kvreuse: the batches applied to a `Router` (exact policy) replica by replica; a decision is
-  `router.route(router.query(tokens))`: the prompt's chain hashed, every mirror looked up;
+  `router.route(router.query(tokens))`: the prompt's chain hashed, then one walk over the
+  router's index of which replicas hold each key (`kvreuse.events.holders`);
 * Dynamo: `benchmarks/mocker/indexer.py` in `.venv-mocker` (ai-dynamo-runtime, built by
   `bash benchmarks/mocker/setup_venv.sh`): the same events as Dynamo's KvCacheEvents into one
   `RadixTree`; a decision is `compute_block_hash_for_seq` then `find_matches`.
@@ -102,6 +105,42 @@ def kvreuse_side(stream: list[Any], num_replicas: int, num_blocks: int) -> dict[
     return {"query_ns": costs, "best": best}
 
 
+def read_stream(path: Path) -> list[Any]:
+    """The stream `dynamo_file` wrote, as `record` made it: each run of one replica's events
+    between two queries is one batch again."""
+    stream: list[Any] = []
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            op = json.loads(line)
+            if op["op"] == "query":
+                stream.append(("query", op["tokens"]))
+                continue
+            if op["op"] == "stored":
+                ev: WireEvent = BlockStored(
+                    op["hashes"], op["parent"], op["tokens"], BLOCK, None, None, None
+                )
+            else:
+                ev = BlockRemoved(op["hashes"], None)
+            last = stream[-1] if stream else None
+            if last is not None and last[0] == "events" and last[1] == op["worker"]:
+                last[2].append(ev)
+            else:
+                stream.append(("events", op["worker"], [ev]))
+    return stream
+
+
+def kvreuse_process(path: Path, num_replicas: int, num_blocks: int) -> dict[str, Any]:
+    """kvreuse's side in a fresh process, as Dynamo's runs: a process that built other routers
+    before would time this one on a heap they fragmented."""
+    cmd = [sys.executable, __file__, "--replay", str(path), "--replicas", str(num_replicas)]
+    proc = subprocess.run([*cmd, "--blocks", str(num_blocks)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "no output"
+        raise SystemExit(f"router_bench: the kvreuse side failed: {last}")
+    out: dict[str, Any] = json.loads(proc.stdout)
+    return out
+
+
 def dynamo_file(stream: list[Any], path: Path) -> None:
     with path.open("w", encoding="utf-8") as f:
         for item in stream:
@@ -149,7 +188,7 @@ def run(num_replicas: int, ns: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     for r in range(ns.rounds):
         for side in ("kvreuse", "dynamo") if r % 2 == 0 else ("dynamo", "kvreuse"):
             if side == "kvreuse":
-                kv = kvreuse_side(stream, num_replicas, ns.blocks)
+                kv = kvreuse_process(path, num_replicas, ns.blocks)
                 ours.append(statistics.median(kv["query_ns"]) / 1e3)
             else:
                 dyn = dynamo_side(path, ns.mocker_python)
@@ -182,7 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--waves", type=int, default=200, help="waves of 8 requests (default 200)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
     ap.add_argument("--mocker-python", type=Path, default=MOCKER_PYTHON, help=argparse.SUPPRESS)
+    ap.add_argument("--replay", type=Path, help=argparse.SUPPRESS)  # kvreuse's side, one stream
     ns = ap.parse_args(argv)
+    if ns.replay is not None:
+        num = int(ns.replicas)
+        print(json.dumps(kvreuse_side(read_stream(ns.replay), num, ns.blocks)))
+        return 0
     try:
         counts = [int(x) for x in ns.replicas.split(",") if x]
     except ValueError:

@@ -134,6 +134,9 @@ class UnitTemplate:
     kernel: Callable[..., list[bytes]] | None = None
 
 
+_NO_KEYS = enc(())  # X_k of a unit of a request without extra keys
+
+
 class Chain:
     """Incremental hash chain of ONE request: ``hashes[k] == H[k]``, ``hashes[0]`` the root.
 
@@ -159,12 +162,16 @@ class Chain:
         mm_items: Sequence[MMItem] = (),
         cache_salt: str | None = None,
     ) -> None:
-        self._base, items, self._salt = _prepare(lora, mm_items, cache_salt)
         self.template = t = hasher.template
         self.hashes: list[bytes] = [t.root]
         # n, the number of hashed units (len(hashes) - 1): the chain proves nothing beyond n*u
         # tokens. A plain attribute, kept by `extend`: it is read several times per step.
         self.num_units = 0
+        if lora is None and not mm_items and cache_salt is None:  # most requests: no keys
+            self._base, self._salt, self._mm, self._special_max = (), (), [], 0
+            self._xdef = _NO_KEYS
+            return
+        self._base, items, self._salt = _prepare(lora, mm_items, cache_salt)
         self._xdef = enc(self._base)  # X_k of every unit without mm keys or salt
         u, la = t.hash_unit, t.lookahead
         # (first unit, last unit, identifier, offset) of each item whose window meets a unit, in

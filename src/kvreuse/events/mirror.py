@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from kvreuse.core import Geometry, LayeredIndex
 from kvreuse.events.wire import (
@@ -48,6 +49,9 @@ from kvreuse.events.wire import (
     WireEvent,
     hash64,
 )
+
+if TYPE_CHECKING:
+    from kvreuse.events.holders import Holders
 
 
 class TruncatedIndex(Mapping[bytes, int]):
@@ -149,6 +153,15 @@ class ReplicaMirror:
         self._removed_capacity = removed_memo
         self.unknown_groups = 0
         self.unknown_parents = 0
+        self._watchers: list[tuple[Holders, int]] = []  # fleet indexes told of device changes
+
+    def watch(self, holders: Holders, slot: int) -> None:
+        """Report every device entry gained or lost to `holders`, as slot `slot` (what
+        `Holders.attach` calls; it indexes what the mirror holds already)."""
+        self._watchers.append((holders, slot))
+
+    def unwatch(self, holders: Holders) -> None:
+        self._watchers = [(h, s) for h, s in self._watchers if h is not holders]
 
     @property
     def index(self) -> list[TruncatedIndex]:
@@ -188,6 +201,9 @@ class ReplicaMirror:
     def clear(self) -> None:
         """Forget the replica's entries; a shared tier's stay (its own stream clears them)."""
         own = [t for m, t in zip(self.media, self._tiers, strict=True) if m not in self._shared]
+        for holders, slot in self._watchers:
+            for gid, idx in enumerate(self._index):
+                holders.removed(gid, list(idx.entries), slot)
         for idx in (*self._index, *(i for tier in own for i in tier)):
             idx.entries.clear()
         for ghost in self._ghost:
@@ -286,6 +302,8 @@ class ReplicaMirror:
             at = at + size if at >= 0 else -1
             entries[h] = at
             ghost.pop(h, None)
+        for holders, slot in self._watchers:
+            holders.added(gid, ev.block_hashes, slot)
 
     def _removed_from(self, gid: int, keys: list[int]) -> None:
         entries, ghost = self._index[gid].entries, self._ghost[gid]
@@ -304,6 +322,8 @@ class ReplicaMirror:
                 removed.move_to_end(h)
                 if len(removed) > capacity:
                     removed.popitem(last=False)
+        for holders, slot in self._watchers:
+            holders.removed(gid, keys, slot)
 
     def _remember(self, key: int, boundary: int) -> None:
         """The boundary of a key that left, for a child or a tier that names it later."""

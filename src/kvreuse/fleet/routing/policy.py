@@ -96,8 +96,9 @@ def cheapest(
     if extra is not None:
         costs = [c + x for c, x in zip(costs, extra, strict=True)]
     size = len(costs)
-    order = turn.order if turn is not None else lambda r, _n: r
-    best = min(range(size), key=lambda r: (costs[r], loads[r], order(r, size)))
+    after = turn.next if turn is not None else 0  # the replica whose turn it is comes first
+    ranks = [(r - after) % size for r in range(size)]
+    best = min(zip(costs, loads, ranks, range(size), strict=True))[3]
     return best, costs
 
 
@@ -273,12 +274,43 @@ class Exact:
             self.first_page = g.page_size // geo.hash_unit  # units in the first page
         except ValueError:
             self.gid, self.first_page = None, 0
+        # (gid, page) of every full group when only full attention is cached: one fleet walk
+        only = geo.only_full and geo.caching_enabled and bool(geo.cacheable)
+        self.full_gids = [(g.group_id, g.page_size) for g in geo.cacheable] if only else []
         self.turn = Turn()
 
     def added(self, index: int) -> None:
         pass
 
     def choose(self, view: FleetView, query: Query) -> Choice:
+        mirrors = view.mirrors
+        if not query.top:
+            predicted = [0] * len(mirrors)
+        elif self.full_gids and not any(m.media for m in mirrors):
+            predicted = self._full_only(view, query)
+        else:
+            return self._each(view, query)
+        index, costs = cheapest(view, query, predicted, self.turn)
+        return Choice(index, predicted, costs)
+
+    def _full_only(self, view: FleetView, query: Query) -> list[int]:
+        """Every replica's hit in one walk over the fleet's holders (`kvreuse.events.holders`):
+        with full attention alone the hit is min(top, F of every group), as `compute_lookup`
+        finds it, and F is what the walk computes for every replica at once."""
+        top = query.top
+        predicted = [top] * len(view.mirrors)
+        u, keys, holders = view.geometry.hash_unit, query.keys, view.holders
+        for gid, page in self.full_gids:
+            for slots, f in holders.full_bounds(gid, keys, page, u):
+                if f < top:
+                    for r in holders.slots_of(slots):
+                        if f < predicted[r]:
+                            predicted[r] = f
+        return predicted
+
+    def _each(self, view: FleetView, query: Query) -> Choice:
+        """`compute_lookup` on every replica that may hit (on its layered view when it has
+        tiers): the general path, for geometries beyond full attention and for tiers."""
         geo, rid, chain, n = view.geometry, query.request_id, query.chain, query.num_tokens
         mirrors = view.mirrors
         predicted = [0] * len(mirrors)
@@ -286,8 +318,12 @@ class Exact:
         tiers = [(0,) * len(m.media) for m in mirrors] if any(m.media for m in mirrors) else None
         gid = self.gid
         head = query.keys[: self.first_page] if gid is not None else []
-        for r, mirror in enumerate(mirrors if query.top else ()):
-            if gid is not None and not self._holds_head(mirror, gid, head):
+        # the replicas holding a key of the first page on their device, in one pass
+        on_device = _holding(view, gid, head) if gid is not None else -1
+        for r, mirror in enumerate(mirrors):
+            if not (on_device >> r) & 1 and not (
+                gid is not None and mirror.media and self._tier_holds(mirror, gid, head)
+            ):
                 continue
             if not mirror.media:
                 predicted[r] = compute_lookup(geo, mirror, rid, chain, n).hit
@@ -302,11 +338,8 @@ class Exact:
         return Choice(index, predicted, costs, tiers)
 
     @staticmethod
-    def _holds_head(mirror: ReplicaMirror, gid: int, head: list[int]) -> bool:
-        """Whether the device or a tier holds a key of the request's first attention page."""
-        entries = mirror.entries(gid)
-        if any(key in entries for key in head):
-            return True
+    def _tier_holds(mirror: ReplicaMirror, gid: int, head: list[int]) -> bool:
+        """Whether a tier below the replica's pool holds a key of the request's first page."""
         for t in range(len(mirror.media)):
             held = mirror.tier_entries(t, gid)
             if any(key in held for key in head):
@@ -315,6 +348,15 @@ class Exact:
 
     def routed(self, index: int, query: Query) -> None:
         self.turn.routed(index)
+
+
+def _holding(view: FleetView, gid: int, keys: list[int]) -> int:
+    """The mask of replicas whose device holds any of `keys` in group `gid`."""
+    masks = view.holders.masks[gid]
+    held = 0
+    for key in keys:
+        held |= masks.get(key, 0)
+    return held
 
 
 def load_price(

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvreuse.core import Chain, Geometry
-from kvreuse.events import ReplicaMirror, hash64
+from kvreuse.events import ReplicaMirror
+from kvreuse.events.holders import Holders
+from kvreuse.events.wire import low64
 
 
 class Query:
@@ -33,7 +35,7 @@ class Query:
     @property
     def keys(self) -> list[int]:
         if self._keys is None:
-            self._keys = [hash64(h) for h in self.chain.hashes[1:]]
+            self._keys = low64(self.chain.hashes[1:])
         return self._keys
 
 
@@ -79,6 +81,7 @@ class FleetView(Protocol):
     geometry: Geometry
     names: list[str]
     mirrors: list[ReplicaMirror]
+    holders: Holders  # which replicas' devices hold each key of a full-attention group
     load_tokens: list[int]  # per replica, the tokens of `Router.set_load`'s rule
     num_requests: list[int]  # per replica, its unfinished routed requests
     load_weight: float

@@ -45,8 +45,10 @@ from kvreuse.core import (
     Hasher,
     KVCacheManager,
     MultiModalItem,
+    Stage,
 )
 from kvreuse.events import ReplicaMirror, StoreMirror, attention_group
+from kvreuse.events.holders import Holders
 from kvreuse.events.wire import WireEvent
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT
 from kvreuse.fleet.routing.policy import Policy, make_policy
@@ -120,6 +122,9 @@ class Router:
         self.policy = make_policy(policy, self.geometry, **policy_options)
         self.names: list[str] = []
         self.mirrors: list[ReplicaMirror] = []
+        # which replicas hold each key of every full-attention group (the mirrors keep it)
+        full = [g.group_id for g in self.geometry.cacheable if g.stage is Stage.FULL]
+        self.holders = Holders(full)
         self.load_tokens: list[int] = []
         self.num_requests: list[int] = []
 
@@ -143,6 +148,7 @@ class Router:
             )
         elif mirror.geometry != self.geometry:
             raise ValueError(f"replica {name!r}: its mirror has another geometry than the router")
+        self.holders.attach(mirror, len(self.mirrors))
         self.names.append(name)
         self.mirrors.append(mirror)
         self.load_tokens.append(0)
@@ -157,6 +163,8 @@ class Router:
             raise ValueError(
                 f"replica {self.names[replica]!r}: the new mirror has another geometry"
             )
+        self.holders.detach(replica)
+        self.holders.attach(mirror, replica)
         self.mirrors[replica] = mirror
 
     def index(self, name: str) -> int:
@@ -191,8 +199,13 @@ class Router:
         `prefix_hashes`: the chain's first digests, hashed before with this router's hasher for
         the same leading tokens and extra keys (trusted, as `Request.prefix_hashes` is)."""
         if not (type(tokens) is array and tokens.typecode == TOKEN_TYPECODE):
-            try:
-                tokens = array(TOKEN_TYPECODE, tokens)
+            checked = array(TOKEN_TYPECODE)
+            try:  # `fromlist` converts a list in one pass, faster than array(code, list)
+                if type(tokens) is list:
+                    checked.fromlist(tokens)
+                else:
+                    checked.extend(tokens)
+                tokens = checked
             except (OverflowError, TypeError):
                 raise ValueError("token ids must be ints in [0, 2**32)") from None
         if not tokens:
