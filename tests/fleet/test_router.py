@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import math
+from array import array
 
 import pytest
 
-from kvreuse.core import CacheConfig, GroupSpec, KVCacheManager, Request
+from kvreuse.core import TOKEN_TYPECODE, CacheConfig, GroupSpec, KVCacheManager, Request
 from kvreuse.events import Converter, ReplicaMirror
 from kvreuse.fleet.routing.router import Router
 
@@ -221,3 +222,33 @@ def test_bad_policies_and_requests_are_clear_errors() -> None:
         router.query([1, -2])
     with pytest.raises(ValueError, match="request 'x': cache_salt must be str"):
         router.query([1, 2], request_id="x", cache_salt=5)  # type: ignore[arg-type]
+
+
+class _Index:
+    """An int by `__index__` only (as numpy's are): the converting path takes it."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+@pytest.mark.parametrize("where", [0, 17, 39])  # in the first unit, a later one, the tail
+@pytest.mark.parametrize("bad", [-1, 2**32, 1.5, "7", None])
+def test_a_bad_token_anywhere_in_a_list_is_refused(where: int, bad: object) -> None:
+    """A list of tokens is hashed without a copy where the native kernel reads it: every token,
+    those it hashes and those after its last unit, is still checked."""
+    tokens: list[object] = list(range(40))  # two 16-token units and an 8-token tail
+    tokens[where] = bad
+    with pytest.raises(ValueError, match=r"token ids must be ints in \[0, 2\*\*32\)"):
+        Router(ATTENTION).query(tokens)  # type: ignore[arg-type]
+
+
+def test_a_list_hashes_as_its_array_does() -> None:
+    router = Router(ATTENTION)
+    tokens = list(range(100, 140))
+    want = router.query(array(TOKEN_TYPECODE, tokens)).chain.hashes
+    assert router.query(tokens).chain.hashes == want
+    assert router.query([_Index(t) for t in tokens]).chain.hashes == want  # type: ignore[misc]
+    assert router.query(tuple(tokens)).chain.hashes == want

@@ -106,7 +106,10 @@ class Holders:
         found = _leading(get, keys, page // unit)
         pairs: list[tuple[int, int]] = []
         left = self.every
-        for mask in dict.fromkeys(found):  # the running AND changes only at these
+        # the running AND changes only where a value first appears (often there is one)
+        one = not found or found.count(found[0]) == len(found)
+        distinct = found[:1] if one else dict.fromkeys(found)
+        for mask in distinct:
             kept = left & mask
             if kept != left:
                 _page_bounds(pairs, left ^ kept, found.index(mask), keys, get, page, unit)
@@ -154,11 +157,16 @@ def _leading(get: Callable[[int], int | None], keys: list[int], step: int) -> li
     found: list[int | None] = []
     lo, chunk, end = step - 1, _CHUNK * step, len(keys)
     while lo < end:
-        part = list(map(get, keys[lo : lo + chunk : step]))
-        if None in part:
-            found += part[: part.index(None)]
+        if found and get(keys[lo]) is None:  # the miss opens this chunk: spare its probes
             break
-        found += part
+        part = list(map(get, keys[lo : lo + chunk : step]))
+        try:  # one scan for the miss (`None in part` then `index` would be two)
+            miss = part.index(None)
+        except ValueError:
+            found += part
+        else:
+            found += part[:miss]
+            break
         lo, chunk = lo + chunk, chunk * 4
     return cast(list[int], found)  # every None was cut off above
 

@@ -21,6 +21,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Protocol
 
 from kvreuse.core import Geometry, LookupResult, compute_lookup, tier_hit_tokens, tier_sources
@@ -96,10 +97,11 @@ def cheapest(
     if extra is not None:
         costs = [c + x for c, x in zip(costs, extra, strict=True)]
     size = len(costs)
-    after = turn.next if turn is not None else 0  # the replica whose turn it is comes first
-    ranks = [(r - after) % size for r in range(size)]
-    best = min(zip(costs, loads, ranks, range(size), strict=True))[3]
-    return best, costs
+    after = turn.next % size if turn is not None else 0  # whose turn it is: rank 0
+    # (cost, load) in turn order, from `after` round the fleet: the first minimum wins a tie
+    ranked = list(zip(costs, loads, strict=True))
+    ranked = ranked[after:] + ranked[:after]
+    return (after + ranked.index(min(ranked))) % size, costs
 
 
 def least_loaded(
@@ -286,7 +288,7 @@ class Exact:
         mirrors = view.mirrors
         if not query.top:
             predicted = [0] * len(mirrors)
-        elif self.full_gids and not any(m.media for m in mirrors):
+        elif self.full_gids and not any(map(_MEDIA, mirrors)):
             predicted = self._full_only(view, query)
         else:
             return self._each(view, query)
@@ -300,7 +302,12 @@ class Exact:
         top = query.top
         predicted = [top] * len(view.mirrors)
         u, keys, holders = view.geometry.hash_unit, query.keys, view.holders
-        for gid, page in self.full_gids:
+        (gid, page), *more = self.full_gids
+        for slots, f in holders.full_bounds(gid, keys, page, u):
+            if f < top:
+                for r in holders.slots_of(slots):
+                    predicted[r] = f
+        for gid, page in more:  # a geometry with several full groups: the lowest F holds
             for slots, f in holders.full_bounds(gid, keys, page, u):
                 if f < top:
                     for r in holders.slots_of(slots):
@@ -348,6 +355,9 @@ class Exact:
 
     def routed(self, index: int, query: Query) -> None:
         self.turn.routed(index)
+
+
+_MEDIA = attrgetter("media")  # a mirror's tier media (one C call per mirror in `any(map(…))`)
 
 
 def _holding(view: FleetView, gid: int, keys: list[int]) -> int:

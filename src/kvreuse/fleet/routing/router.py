@@ -41,6 +41,7 @@ from typing import Any
 from kvreuse.core import (
     TOKEN_TYPECODE,
     CacheConfig,
+    Chain,
     Geometry,
     Hasher,
     KVCacheManager,
@@ -113,6 +114,9 @@ class Router:
         self.config = config
         self.geometry: Geometry = config.geometry
         self.hasher = chain_hasher(config)
+        # whether the hasher's chain reads a token list through the native kernel, which
+        # refuses what is not a token (the Python encodings are handed checked arrays)
+        self._kernel_checks = self.hasher.template.kernel is not None
         self.load_weight = float(load_weight)
         prices = DEFAULT_TIER_PRICES if tier_prices is None else tier_prices
         for medium, price in prices.items():
@@ -198,22 +202,22 @@ class Router:
 
         `prefix_hashes`: the chain's first digests, hashed before with this router's hasher for
         the same leading tokens and extra keys (trusted, as `Request.prefix_hashes` is)."""
-        if not (type(tokens) is array and tokens.typecode == TOKEN_TYPECODE):
-            checked = array(TOKEN_TYPECODE)
-            try:  # `fromlist` converts a list in one pass, faster than array(code, list)
-                if type(tokens) is list:
-                    checked.fromlist(tokens)
-                else:
-                    checked.extend(tokens)
-                tokens = checked
-            except (OverflowError, TypeError):
-                raise ValueError("token ids must be ints in [0, 2**32)") from None
+        if self._kernel_checks and type(tokens) is list and tokens and not prefix_hashes:
+            # the native chain kernel checks every token it hashes as it reads them (a copy
+            # saved); the ones after its last unit are checked here. A list it refuses (ints of
+            # another type, say numpy's) takes the converting path below, which accepts or
+            # names them.
+            chain = self._chain(request_id, lora, mm_items, cache_salt)
+            try:
+                chain.extend(tokens)
+                _tokens(tokens[chain.num_units * self.geometry.hash_unit :])
+                return Query(request_id, chain, len(tokens), self.geometry.hash_unit)
+            except (OverflowError, TypeError, ValueError):
+                pass
+        tokens = _tokens(tokens)
         if not tokens:
             raise ValueError("a request to route needs at least one token")
-        try:
-            chain = self.hasher.chain(lora=lora, mm_items=mm_items, cache_salt=cache_salt)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"request {request_id!r}: {exc}") from None
+        chain = self._chain(request_id, lora, mm_items, cache_salt)
         if prefix_hashes:
             h = self.hasher
             most = max(0, (len(tokens) - h.lookahead) // h.hash_unit)
@@ -225,6 +229,18 @@ class Router:
             chain.adopt(prefix_hashes)
         chain.extend(tokens)
         return Query(request_id, chain, len(tokens), self.geometry.hash_unit)
+
+    def _chain(
+        self,
+        request_id: str,
+        lora: tuple[str, str] | None,
+        mm_items: Sequence[MultiModalItem],
+        cache_salt: str | None,
+    ) -> Chain:
+        try:
+            return self.hasher.chain(lora=lora, mm_items=mm_items, cache_salt=cache_salt)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"request {request_id!r}: {exc}") from None
 
     def route(self, query: Query) -> Decision:
         """Pick a replica for `query` with the policy, from the mirrors and loads as they are."""
@@ -243,6 +259,21 @@ class Router:
             costs=None if choice.costs is None else tuple(choice.costs),
             from_tiers=None if choice.from_tiers is None else tuple(choice.from_tiers),
         )
+
+
+def _tokens(tokens: Sequence[int]) -> array[int]:
+    """`tokens` as the core's token array; ValueError naming the rule when one is not a token."""
+    if type(tokens) is array and tokens.typecode == TOKEN_TYPECODE:
+        return tokens
+    checked = array(TOKEN_TYPECODE)
+    try:  # `fromlist` converts a list in one pass, faster than array(code, list)
+        if type(tokens) is list:
+            checked.fromlist(tokens)
+        else:
+            checked.extend(tokens)
+    except (OverflowError, TypeError):
+        raise ValueError("token ids must be ints in [0, 2**32)") from None
+    return checked
 
 
 def _default_group(geo: Geometry) -> int:
