@@ -5,6 +5,7 @@
     routable     the attention group as an attention-only router should see it
     publisher    PUB stream, ROUTER replay, bounded buffer and queue, one background thread
     mirror       a replica's entries per group from its events; an `IndexView` for the core
+    holders      which of several mirrors hold each full-attention key; the router's one walk
     stream       one replica's stream: what is applied, checks through replay, restarts
     subscriber   follows several replicas' streams (sockets, poll) and keeps their mirrors
     replay       the replay protocol, the publisher's bounded answers and its note
@@ -25,6 +26,7 @@ from kvreuse.events.common import MODES
 
 if TYPE_CHECKING:
     from kvreuse.events.convert import Converter, attention_group
+    from kvreuse.events.holders import Holders
     from kvreuse.events.mirror import HashChain, ReplicaMirror, StoreMirror, TruncatedIndex
     from kvreuse.events.publisher import Publisher, is_bind_endpoint
     from kvreuse.events.stream import ReplicaStream
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
 _HOME = {
     "Converter": "convert",
     "attention_group": "convert",
+    "Holders": "holders",
     "HashChain": "mirror",
     "ReplicaMirror": "mirror",
     "StoreMirror": "mirror",
@@ -53,6 +56,7 @@ __all__ = [
     "Converter",
     "EventBatch",
     "HashChain",
+    "Holders",
     "Publisher",
     "ReplicaMirror",
     "ReplicaStream",
