@@ -302,12 +302,7 @@ class Exact:
         top = query.top
         predicted = [top] * len(view.mirrors)
         u, keys, holders = view.geometry.hash_unit, query.keys, view.holders
-        (gid, page), *more = self.full_gids
-        for slots, f in holders.full_bounds(gid, keys, page, u):
-            if f < top:
-                for r in holders.slots_of(slots):
-                    predicted[r] = f
-        for gid, page in more:  # a geometry with several full groups: the lowest F holds
+        for gid, page in self.full_gids:  # with several full groups the lowest F holds
             for slots, f in holders.full_bounds(gid, keys, page, u):
                 if f < top:
                     for r in holders.slots_of(slots):
