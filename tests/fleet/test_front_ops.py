@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import io
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -33,6 +35,11 @@ from kvreuse.tokenizer import ByteTokenizer  # noqa: E402
 
 TOKEN = {"authorization": "Bearer s3cret"}
 _STARTED = re.compile(r"^\[replica-\d+\] INFO:\s+Started server process \[(\d+)\]")
+
+
+def _pump(stream: io.TextIOBase, into: queue.Queue[str]) -> None:
+    for line in stream:
+        into.put(line)
 
 
 def _state(pid: int) -> str | None:
@@ -134,18 +141,24 @@ def test_sigterm_stops_every_replica_before_the_fleet_ends_as_serve_does() -> No
     ) as front:
         try:
             assert front.stderr is not None
+            # the replicas' lines are echoed by threads of their own, so one may come after
+            # the fleet's ready line: read until both pids and the url are in (or 60 s)
+            lines: queue.Queue[str] = queue.Queue()
+            reader = threading.Thread(target=_pump, args=(front.stderr, lines), daemon=True)
+            reader.start()
             pids: list[int] = []
-            for line in front.stderr:
+            url, deadline = "", time.monotonic() + 60
+            while len(pids) < 2 or not url:
+                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
                 if (m := _STARTED.match(line)) is not None:
                     pids.append(int(m.group(1)))
                 if line.startswith("kvreuse fleet: 2 replica(s)"):
                     url = line.split(" on ", 1)[1].strip().removesuffix("/v1")
-                    break
             assert len(pids) == 2, pids
             # the line comes before the front's server starts (and handles signals)
             wait_until(lambda: _answers(url))
             front.send_signal(signal.SIGTERM)
-            front.communicate(timeout=60)  # reads the rest of its output while it stops
+            front.wait(timeout=60)  # the reader drains the rest of its output meanwhile
             assert front.returncode == -signal.SIGTERM
             assert [_state(pid) for pid in pids] == [None, None]
         finally:
