@@ -257,15 +257,24 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(
-        prog="kvreuse",
-        description="Exact prefix-cache reuse for LLM serving: simulate a deployment, serve "
-        "the reference model, route a fleet, qualify a server. `kvreuse COMMAND --help` "
-        "describes each command.",
-    )
-    parser.add_argument("--version", action="version", version=f"kvreuse {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
+class _Version(argparse.Action):
+    """--version: the text is made when asked (it reads the installed metadata)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(
+            option_strings,
+            argparse.SUPPRESS,  # as argparse's own: no attribute on the parsed namespace
+            default=argparse.SUPPRESS,
+            nargs=0,
+            help="show program's version number and exit",
+        )
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> NoReturn:
+        print(f"kvreuse {_version()}")  # on stdout, as argparse's own version action
+        parser.exit()
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser(
         "demo",
         help="cold request + identical resend on a DCP4 hybrid",
@@ -283,24 +292,64 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     demo.add_argument("--json", action="store_true", help="one JSON object per request")
     demo.set_defaults(func=_cmd_demo)
-    from kvreuse.fleet.simulation.cli import add_fleet_arguments, fleet_requested, run_fleet
-    from kvreuse.sim.cli import add_parser as _add_simulate
-    from kvreuse.sim.sweep_cli import add_parser as _add_sweep
-    from kvreuse.sim.workload_cli import add_parser as _add_workload
 
-    _add_workload(sub)
-    _add_simulate(sub)
+
+def _add_workload(sub: argparse._SubParsersAction) -> None:
+    from kvreuse.sim.workload_cli import add_parser
+
+    add_parser(sub)
+
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    from kvreuse.fleet.simulation.cli import add_fleet_arguments, fleet_requested, run_fleet
+    from kvreuse.sim.cli import add_parser
+
+    add_parser(sub)
     simulate = sub.choices["simulate"]  # --replicas N runs a fleet (kvreuse.fleet sits above sim)
     add_fleet_arguments(simulate)
     single = simulate.get_default("func")
     simulate.set_defaults(func=lambda a: run_fleet(a) if fleet_requested(a) else single(a))
-    _add_sweep(sub)
-    add_geometry(sub)
-    _add_serve(sub)
-    _add_qualify(sub)
-    from kvreuse.fleet.serving.cli import add_parser as _add_fleet_front
 
-    _add_fleet_front(sub)  # `kvreuse fleet` and `kvreuse route`
+
+def _add_sweep(sub: argparse._SubParsersAction) -> None:
+    from kvreuse.sim.sweep_cli import add_parser
+
+    add_parser(sub)
+
+
+def _add_fleet_front(sub: argparse._SubParsersAction) -> None:
+    from kvreuse.fleet.serving.cli import add_parser
+
+    add_parser(sub)  # `kvreuse fleet` and `kvreuse route`
+
+
+# Each command's subparser, in the order --help lists them; the front adds two commands.
+_COMMANDS = (
+    (("demo",), _add_demo),
+    (("workload",), _add_workload),
+    (("simulate",), _add_simulate),
+    (("sweep",), _add_sweep),
+    (("geometry",), add_geometry),
+    (("serve",), _add_serve),
+    (("qualify",), _add_qualify),
+    (("fleet", "route"), _add_fleet_front),
+)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with `command` (one of its commands) only that command's
+    subparser is built, so a run imports what its command needs and nothing else."""
+    parser = Parser(
+        prog="kvreuse",
+        description="Exact prefix-cache reuse for LLM serving: simulate a deployment, serve "
+        "the reference model, route a fleet, qualify a server. `kvreuse COMMAND --help` "
+        "describes each command.",
+    )
+    parser.add_argument("--version", action=_Version)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for names, add in _COMMANDS:
+        if command is None or command in names:
+            add(sub)
     return parser
 
 
@@ -330,7 +379,9 @@ SIGPIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a writer whose rea
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    named = words[0] if words and any(words[0] in names for names, _ in _COMMANDS) else None
+    args = build_parser(named).parse_args(words)
     try:
         return int(args.func(args))
     except ModuleNotFoundError as exc:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -66,3 +68,27 @@ def test_the_help_of_every_command_prints(capsys: pytest.CaptureFixture[str]) ->
         assert done.value.code == 0
         out = capsys.readouterr().out
         assert "(default: None)" not in out and "(default: False)" not in out
+
+
+def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(action.choices)
+
+
+@pytest.mark.parametrize("command", sorted(_commands(build_parser())))
+def test_a_named_command_alone_parses_and_helps_as_in_the_whole_line(command: str) -> None:
+    """`kvreuse COMMAND` builds only its own subparser (a run imports what it needs): that
+    subparser is the one the whole command line holds, to the last help word."""
+    whole, alone = _commands(build_parser())[command], _commands(build_parser(command))
+    assert command in alone and set(alone) <= {command, "fleet", "route"}
+    assert alone[command].format_help() == whole.format_help()
+
+
+def test_simulate_does_not_import_the_servers() -> None:
+    code = (
+        "import sys; from kvreuse.cli import build_parser; build_parser('simulate'); "
+        "print(*sorted(m for m in sys.modules if m.startswith(('kvreuse.serve', "
+        "'kvreuse.fleet.serving', 'importlib.metadata'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == []
