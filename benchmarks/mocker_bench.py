@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,19 +68,21 @@ def emit(metric: str, **fields: Any) -> None:
     print(json.dumps({"metric": metric, **fields}), flush=True)
 
 
-def run_child(cmd: list[str], stdout: Any) -> tuple[float, str]:
-    """Run `cmd`; its CPU seconds (user + system) and its stderr. A failure is a BenchError
-    carrying the child's last stderr line."""
+def run_child(cmd: list[str], stdout: Any) -> tuple[float, float]:
+    """Run `cmd`; its CPU seconds (user + system, every thread) and its wall seconds. A
+    failure is a BenchError carrying the child's last stderr line."""
+    start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.PIPE)
     assert proc.stderr is not None
     err = proc.stderr.read().decode("utf-8", "replace")
     _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.monotonic() - start
     code = os.waitstatus_to_exitcode(status)
     proc.returncode = code
     if code != 0:
         last = err.strip().splitlines()[-1] if err.strip() else f"exit code {code}"
         raise BenchError(f"{Path(cmd[1]).name} {' '.join(cmd[2:5])}: {last}")
-    return usage.ru_utime + usage.ru_stime, err
+    return usage.ru_utime + usage.ru_stime, wall
 
 
 def slice_trace(src: Path, dst: Path, limit: int | None) -> tuple[int, int, int, int]:
@@ -165,12 +168,13 @@ def run_mocker(python: Path, trace: Path, blocks: int, tmp: Path) -> dict[str, A
     cmd = [str(python), str(REPLAY), "run", str(trace), "--blocks", str(blocks)]
     out_path = tmp / "mocker-out.json"
     with out_path.open("w") as out:
-        cpu, _ = run_child([*cmd, "--report", str(report)], out)
+        cpu, wall = run_child([*cmd, "--report", str(report)], out)
     result = json.loads(out_path.read_text())
     rows = [json.loads(line) for line in report.open()]
     first = [r["admission_history"][0]["reused_input_tokens"] for r in rows]
     result.update(
         cpu_s=cpu,
+        wall_s=wall,
         hits=sum(first),
         queries=sum(r["input_length"] for r in rows),
         preemptions=sum(r["readmission_count"] for r in rows),
@@ -194,12 +198,13 @@ def run_kvreuse(
     sim += ["--no-compare", "--no-plots", "--quiet", "--json"]
     summary_path = tmp / "kvreuse-summary.json"
     with summary_path.open("w") as out:
-        sim_cpu, _ = run_child(sim, out)
+        sim_cpu, sim_wall = run_child(sim, out)
     summary = json.loads(summary_path.read_text())
     with (out_dir / "requests.jsonl").open() as f:
         rows = [json.loads(line) for line in f]
     return {
         "cpu_s": sim_cpu,
+        "wall_s": sim_wall,
         "hits": summary["hits"],
         "queries": summary["queries"],
         "preemptions": summary["preemptions"],
@@ -281,6 +286,9 @@ def compare(mocker: list[dict[str, Any]], kv: list[dict[str, Any]], keys: list[A
         "mocker_cpu_s": spread(mocker_cpu),
         "kvreuse_cpu_s": spread(kv_cpu),
         "ratio": round(statistics.median(mocker_cpu) / statistics.median(kv_cpu), 4),
+        # wall beside CPU: a child whose CPU exceeds its wall ran several threads at once
+        "mocker_wall_s": spread([x["wall_s"] for x in mocker]),
+        "kvreuse_wall_s": spread([x["wall_s"] for x in kv]),
         "mocker_replay_call_cpu_s": spread([x["call_cpu_s"] for x in mocker]),
         "mocker_hit_rate": round(m["hits"] / m["queries"], 6),
         "kvreuse_hit_rate": round(k["hits"] / k["queries"], 6),

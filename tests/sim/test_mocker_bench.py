@@ -53,6 +53,8 @@ def test_both_tools_report_side_by_side_and_agree_where_everything_fits() -> Non
         for tool in ("mocker", "kvreuse"):
             cpu = c[f"{tool}_cpu_s"]
             assert len(cpu["rounds"]) == 1 and cpu["median"] == cpu["rounds"][0] > 0, c["case"]
+            wall = c[f"{tool}_wall_s"]  # a child's wall time covers its start: never zero
+            assert len(wall["rounds"]) == 1 and wall["median"] == wall["rounds"][0] > 0, c["case"]
         # the ratio is of the medians before they are rounded to the printed 3 decimals
         m, k = c["mocker_cpu_s"]["median"], c["kvreuse_cpu_s"]["median"]
         assert (m - 5e-4) / (k + 5e-4) <= c["ratio"] <= (m + 5e-4) / (k - 5e-4), c["case"]
