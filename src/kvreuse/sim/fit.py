@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from kvreuse.core import Geometry
 from kvreuse.deployment import Deployment
 from kvreuse.sim.args import plural
-from kvreuse.sim.feed import Arrivals
-from kvreuse.sim.sweep import request_lengths, unlimited_blocks
-from kvreuse.sim.workload import WorkloadRequest
+from kvreuse.sim.feed import Arrivals, static_length
+from kvreuse.sim.workload import WorkloadError, WorkloadRequest
 
 
 def min_blocks(geo: Geometry, num_tokens: int) -> int:
@@ -76,3 +76,44 @@ def size_label(n: int) -> str:
 def never_evicting_blocks(dep: Deployment, workload: list[WorkloadRequest]) -> int:
     """The pool of `--capacity-tokens inf`: more blocks than the workload can ever take."""
     return unlimited_blocks(dep, request_lengths(workload))
+
+
+def request_lengths(workload: list[WorkloadRequest]) -> list[int]:
+    """Per request, a bound on the tokens it ever holds: its prompt (a quoted history counts
+    that request's bound) plus max_tokens."""
+    bound: dict[str, int] = {}
+    out = []
+    for w in workload:
+        n = _prompt_bound(w.prompt, bound) + w.max_tokens
+        bound[w.request_id] = n
+        out.append(n)
+    return out
+
+
+def _prompt_bound(prompt: Any, bound: dict[str, int]) -> int:
+    kind, value = next(iter(prompt.items()))
+    if kind == "history":
+        return bound[value]
+    if kind == "concat":
+        return sum(_prompt_bound(part, bound) for part in value)
+    n = static_length(prompt)
+    if n is None:  # every other kind has its length in the line
+        raise WorkloadError(f"prompt kind {kind!r} has no length known before the run")
+    return n
+
+
+def unlimited_blocks(geo: Deployment, lengths: list[int]) -> int:
+    """A pool larger than every block this workload's requests can ever take from it, so no
+    entry is ever evicted: per request, its attention pages plus one copy-on-write page per
+    attention group, and per recurrent group its slots plus two states per unit it computes
+    (rolling, planned and dense saves land on distinct unit boundaries)."""
+    cache = geo.cache
+    g = cache.geometry
+    spec = geo.sched.num_spec_tokens  # a decode step's draft slots
+    num_attention = sum(1 for grp in g.groups if grp.is_attention)
+    num_recurrent = len(g.groups) - num_attention
+    total = 1
+    for n in lengths:
+        total += cache.blocks_for_request(n, spec) + num_attention
+        total += num_recurrent * (2 * (-(-n // g.hash_unit)) + 8)
+    return total

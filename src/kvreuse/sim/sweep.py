@@ -26,7 +26,7 @@ from typing import Any
 from kvreuse.deployment import MAX_NUM_BLOCKS, Deployment, blocks_for_capacity, check_num_blocks
 from kvreuse.sim.args import parse_size, with_tiers
 from kvreuse.sim.cost import CostModel
-from kvreuse.sim.feed import static_length
+from kvreuse.sim.fit import request_lengths, unlimited_blocks
 from kvreuse.sim.run import SimulationError, simulate
 from kvreuse.sim.workload import WorkloadError, WorkloadRequest
 
@@ -134,47 +134,6 @@ def cases_for(
                 sized = replace(tiered, cache=replace(geo.cache, num_blocks=blocks))
                 out.append(Case(label, sized, capacity, setup.label))
     return out
-
-
-def request_lengths(workload: list[WorkloadRequest]) -> list[int]:
-    """Per request, a bound on the tokens it ever holds: its prompt (a quoted history counts
-    that request's bound) plus max_tokens."""
-    bound: dict[str, int] = {}
-    out = []
-    for w in workload:
-        n = _prompt_bound(w.prompt, bound) + w.max_tokens
-        bound[w.request_id] = n
-        out.append(n)
-    return out
-
-
-def _prompt_bound(prompt: Any, bound: dict[str, int]) -> int:
-    kind, value = next(iter(prompt.items()))
-    if kind == "history":
-        return bound[value]
-    if kind == "concat":
-        return sum(_prompt_bound(part, bound) for part in value)
-    n = static_length(prompt)
-    if n is None:  # every other kind has its length in the line
-        raise WorkloadError(f"prompt kind {kind!r} has no length known before the run")
-    return n
-
-
-def unlimited_blocks(geo: Deployment, lengths: list[int]) -> int:
-    """A pool larger than every block this workload's requests can ever take from it, so no
-    entry is ever evicted: per request, its attention pages plus one copy-on-write page per
-    attention group, and per recurrent group its slots plus two states per unit it computes
-    (rolling, planned and dense saves land on distinct unit boundaries)."""
-    cache = geo.cache
-    g = cache.geometry
-    spec = geo.sched.num_spec_tokens  # a decode step's draft slots
-    num_attention = sum(1 for grp in g.groups if grp.is_attention)
-    num_recurrent = len(g.groups) - num_attention
-    total = 1
-    for n in lengths:
-        total += cache.blocks_for_request(n, spec) + num_attention
-        total += num_recurrent * (2 * (-(-n // g.hash_unit)) + 8)
-    return total
 
 
 def run_case(case: Case, workload: list[WorkloadRequest], draft_accept_rate: float) -> Row:
