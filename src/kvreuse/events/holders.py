@@ -119,6 +119,13 @@ class Holders:
         _page_bounds(pairs, left, len(found), keys, get, page, unit)
         return pairs
 
+    def holding(self, gid: int, keys: list[int]) -> int:
+        """The mask of the slots whose mirror holds any of `keys` in group `gid`."""
+        get, held = self.masks[gid].get, 0
+        for key in keys:
+            held |= get(key, 0)
+        return held
+
     def slots_of(self, mask: int) -> tuple[int, ...]:
         """The slots of a mask, lowest first (remembered for the masks seen most)."""
         slots = self._slots_of.get(mask)

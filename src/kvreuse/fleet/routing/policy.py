@@ -321,7 +321,7 @@ class Exact:
         gid = self.gid
         head = query.keys[: self.first_page] if gid is not None else []
         # the replicas holding a key of the first page on their device, in one pass
-        on_device = _holding(view, gid, head) if gid is not None else -1
+        on_device = view.holders.holding(gid, head) if gid is not None else -1
         for r, mirror in enumerate(mirrors):
             if not (on_device >> r) & 1 and not (
                 gid is not None and mirror.media and self._tier_holds(mirror, gid, head)
@@ -353,15 +353,6 @@ class Exact:
 
 
 _MEDIA = attrgetter("media")  # a mirror's tier media (one C call per mirror in `any(map(…))`)
-
-
-def _holding(view: FleetView, gid: int, keys: list[int]) -> int:
-    """The mask of replicas whose device holds any of `keys` in group `gid`."""
-    masks = view.holders.masks[gid]
-    held = 0
-    for key in keys:
-        held |= masks.get(key, 0)
-    return held
 
 
 def load_price(
