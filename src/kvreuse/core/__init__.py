@@ -76,7 +76,7 @@ from kvreuse.core.plan import Copy, RecurrentSlot, RequestPlan, Save, StepPlan
 from kvreuse.core.policy import EvictionPolicy, LRUPolicy, PoolView
 from kvreuse.core.request import Deferral, MultiModalItem, Request, SavePurpose
 from kvreuse.core.savepoints import finish_point, replay_point
-from kvreuse.core.shared_tier import SharedTier
+from kvreuse.core.shared_tier import SharedTier, TierState
 from kvreuse.core.tier_lookup import LayeredIndex, tier_hit_tokens, tier_sources
 from kvreuse.core.tiers import DEVICE_MEDIUM, Admission, Demote, Load, Move, TierOp, TierSpec
 
@@ -132,6 +132,7 @@ __all__ = [
     "TierOp",
     "TierRemoved",
     "TierSpec",
+    "TierState",
     "TierStored",
     "UnknownRequestError",
     "compute_lookup",

@@ -71,6 +71,26 @@ def count_admission(
         counters["prefix_cache_preempted_hits"] += hit
 
 
+def uncount_admission(
+    counters: Counter[str], reasons: Counter[str], st: RequestState, stack: TierStack | None
+) -> None:
+    """Take back the counts of the request's last admission, whose tier loads failed: it
+    delivered nothing, and its next admission counts in its place (a first one as the first)."""
+    if st.admissions == 1:
+        counters["prefix_cache_requests"] -= 1
+        counters["prefix_cache_queries"] -= st.prompt_len
+        counters["prefix_cache_hits"] -= st.first_hit
+        reasons[st.first_reason] -= 1
+        if stack is not None and st.first_tier_tokens:
+            got = st.first_tier_tokens
+            stack.hit_tokens = [a - b for a, b in zip(stack.hit_tokens, got, strict=True)]
+    elif st.admissions > 1:
+        counters["prefix_cache_preempted_requests"] -= 1
+        counters["prefix_cache_preempted_queries"] -= len(st.tokens)
+        counters["prefix_cache_preempted_hits"] -= st.last_hit
+    st.unnote_admission()
+
+
 def new_counters() -> Counter[str]:
     return Counter({name: 0 for name in COUNTER_NAMES})
 
@@ -129,7 +149,8 @@ def tier_snapshot(geo: Geometry, stack: TierStack) -> dict[str, dict[str, object
     `hit_tokens` of first admissions (as `prefix_cache_hits` counts them, on the first
     full-attention group's pages), `loaded_blocks` per group kind, `stored_blocks` (copies
     into the tier: demotes, write-throughs and moves from the tier above) and
-    `evicted_blocks` (slots it freed to make room, moved down or dropped)."""
+    `evicted_blocks` (slots it freed to make room, moved down or dropped) and `faulty_blocks`
+    (slots dropped because the engine found their bytes missing or not theirs)."""
     out: dict[str, dict[str, object]] = {}
     for t, tier in enumerate(stack.tiers):
         loaded: Counter[str] = Counter({g.kind: 0 for g in geo.groups})
@@ -144,5 +165,6 @@ def tier_snapshot(geo: Geometry, stack: TierStack) -> dict[str, dict[str, object
             "loaded_blocks": dict(loaded),
             "stored_blocks": stack.num_stored[t],
             "evicted_blocks": stack.num_evicted[t],
+            "faulty_blocks": stack.num_faulty[t],
         }
     return out

@@ -203,6 +203,12 @@ class RequestState:
         self.last_hit, self.last_reason = hit, reason
         return first
 
+    def unnote_admission(self) -> None:
+        """The last admission delivered nothing (its tier loads failed): forget it."""
+        self.admissions = max(0, self.admissions - 1)
+        if self.admissions == 0:
+            self.first_hit, self.first_reason, self.first_tier_tokens = 0, "not_admitted", ()
+
     def release(self, phase: Phase) -> None:
         """Every slot was given back (finish: FINISHED, preempt: WAITING with its tokens and
         hashes kept); the request is in no step."""

@@ -46,15 +46,30 @@ silently differs. Who holds the turn and where the journal lives is the engine's
 from __future__ import annotations
 
 import hashlib
-from dataclasses import astuple
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import astuple, dataclass
 from typing import Any, cast
 
 from kvreuse.core.config import CacheConfig
 from kvreuse.core.errors import ConfigError, InvariantError, SharedTierBusyError
 from kvreuse.core.events import Event, EventLog
+from kvreuse.core.ledger import StepLedger
+from kvreuse.core.metrics import uncount_admission
+from kvreuse.core.request import Deferral, RequestState
+from kvreuse.core.tier_lookup import TierLoads
 from kvreuse.core.tiers import Keys, Slot, Tier, TierOp, TierSpec, TierStack
 
 Change = tuple[object, ...]  # ("place", slot, group id, keys) | ("take", slot) | …
+
+
+@dataclass(frozen=True)
+class TierState:
+    """A shared tier's copy as a value (`SharedTier.export_state`): per slot in LRU order,
+    (slot, group id, [(boundary, key, indexed here)]), and the free slot numbers."""
+
+    slots: list[tuple[int, int, list[tuple[int, bytes, bool]]]]
+    free: list[int]
 
 
 def layout_of(config: CacheConfig) -> tuple[object, ...]:
@@ -155,6 +170,56 @@ class SharedTier(Tier):
         self._change(("clear",))
         super().clear()
 
+    def export_state(self) -> TierState:
+        """The copy as a value: its slots in LRU order (oldest first), each with its group, its
+        keys and which of them it indexes, and its free slot numbers in the order `place`
+        takes them (last first). `import_state` of it gives an equal copy, slot for slot."""
+        rows = []
+        for slot in self.order:
+            entry = self.slots[slot]
+            idx = self.index[entry.group_id]
+            rows.append((slot, entry.group_id, [(b, k, idx.get(k) == slot) for b, k in entry.keys]))
+        return TierState(rows, list(self._free))
+
+    def import_state(self, state: TierState) -> None:
+        """Make this copy the one `state` describes (another copy's `export_state`); a state
+        that does not fit the tier (a slot out of range, a group unknown, a key indexed
+        twice) is an InvariantError and leaves the copy detached (empty)."""
+        self.detach()
+        try:
+            for slot, gid, keys in state.slots:
+                if not 0 <= slot < self.spec.num_blocks or slot in self.slots:
+                    raise InvariantError(f"slot {slot}")
+                self.slots[slot] = Slot(gid, [(b, k) for b, k, _ in keys])
+                self.order[slot] = None
+                for _, key, indexed in keys:
+                    if indexed:
+                        if key in self.index[gid]:
+                            raise InvariantError(f"key indexed twice in group {gid}")
+                        self.index[gid][key] = slot
+            free = list(state.free)
+            if sorted(free + list(self.slots)) != list(range(self.spec.num_blocks)):
+                raise InvariantError("free slots and held slots do not partition the tier")
+            self._free = free
+        except (InvariantError, IndexError, TypeError, ValueError) as exc:
+            self.detach()
+            raise InvariantError(
+                f"shared tier {self.spec.name!r}: state does not fit ({exc})"
+            ) from None
+        self.version += 1
+
+    def detach(self) -> None:
+        """Forget every slot and take no new one until `import_state` (or a replay after it):
+        a copy that can no longer follow the others' changes offers no hit and admits
+        nothing, so the manager works as if the tier were not there. Not a change of the
+        shared state: nothing is journaled."""
+        Tier.clear(self)
+        self._free = []
+
+    @property
+    def detached(self) -> bool:
+        return not self.slots and not self._free
+
     def replay(self, changes: list[Change]) -> None:
         """Make another copy's changes here, in their order (they bump `version`, so a lookup
         made before them is stale). InvariantError if this copy has drifted from that one."""
@@ -180,10 +245,15 @@ class SharedTier(Tier):
 
 class TierTurns:
     """The facade's side of the sharing rule (a mixin of kvreuse.core.manager): whose turn it
-    is, how old a lookup is, and the ops an engine takes between steps."""
+    is, how old a lookup is, the ops an engine takes between steps and what it could not carry
+    out of them."""
 
     tiers: TierStack
     epoch: int
+    loads: TierLoads
+    ledger: StepLedger
+    counters: Counter[str]
+    reasons: Counter[str]
 
     def _turn(self) -> None:
         """Before a call that reads or changes a tier shared with other managers: raise if
@@ -201,6 +271,30 @@ class TierTurns:
         """The epoch a lookup carries: the manager's, plus the changes to a tier it shares
         (another manager's make an older lookup stale too)."""
         return self.epoch + self.tiers.shared_version() if self.tiers.shared else self.epoch
+
+    def tier_faults(
+        self, slots: Iterable[tuple[int, int, int, Keys]], block_ids: Iterable[int] = ()
+    ) -> list[str]:
+        """What the engine could not carry out of the ops it was handed, as misses: each of
+        `slots` (tier, slot, group id, the keys of the op that read or wrote it) was found
+        without those keys' bytes (absent, altered, another block's, or the store unreachable),
+        so it is forgotten while it still holds those keys; `block_ids` are device blocks a
+        `Load` did not fill. The
+        requests that loaded those blocks, all in sealed steps, publish nothing at their step's
+        commit and go back to wait for a new lookup, as a preemption does; their admission is
+        not counted (a hit never delivered). Returns those requests' ids."""
+        for t, slot, gid, keys in slots:
+            self.tiers.drop(t, slot, gid, keys)
+        blocks = set(block_ids)
+        recs = self.loads.owners(blocks) if blocks else []
+        failed: dict[str, RequestState] = {r.req.request_id: r.req for r in recs}
+        for st in failed.values():
+            self.loads.drop(self.ledger.records_of(st))
+            uncount_admission(self.counters, self.reasons, st, self.tiers)
+            if st.deferred is None:
+                self.ledger.defer(st, Deferral.PREEMPT)
+        self.epoch += 1
+        return list(failed)
 
     def take_tier_ops(self) -> list[TierOp]:
         """The tier ops decided since the last `seal_step()` (the write-through copies of what

@@ -235,3 +235,9 @@ class TierLoads:
     def drop(self, recs: list[PlanRecord]) -> None:
         for rec in recs:
             self._of.pop(id(rec), None)
+
+    def owners(self, block_ids: set[int]) -> list[PlanRecord]:
+        """The records whose loads fill any of `block_ids`."""
+        return [
+            rec for rec, loaded in self._of.values() if any(b in block_ids for _, b, _ in loaded)
+        ]

@@ -67,6 +67,12 @@ class TierSpec:
 
 
 # ------------------------------------------------------------------------------ the ops
+# Each op also carries `keys`: the (boundary, key) pairs of the bytes it copies, as the core
+# knew them when it decided the op. They are the bytes' identity: an engine that keeps a slot
+# where others can write (a shared store) stores them beside the bytes and refuses a read
+# whose stored identity is not the op's. They take no part in an op's equality.
+
+
 @dataclass(frozen=True, slots=True)
 class Demote:
     """Copy device block `block_id` (group `group_id`) into slot `slot` of tier `tier`."""
@@ -75,6 +81,7 @@ class Demote:
     slot: int
     group_id: int
     block_id: int
+    keys: tuple[tuple[int, bytes], ...] = field(default=(), compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +92,8 @@ class Move:
     src_slot: int
     dst_tier: int
     dst_slot: int
+    keys: tuple[tuple[int, bytes], ...] = field(default=(), compare=False, repr=False)
+    group_id: int = field(default=-1, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +104,7 @@ class Load:
     slot: int
     group_id: int
     block_id: int
+    keys: tuple[tuple[int, bytes], ...] = field(default=(), compare=False, repr=False)
 
 
 TierOp = Demote | Move | Load

@@ -205,6 +205,7 @@ class TierStack:
         self.num_evicted = [0] * len(specs)  # per tier: slots it freed to make room
         self.num_loaded: list[list[int]] = [[0] * len(kinds) for _ in specs]  # [tier][gid]
         self.hit_tokens: list[int] = [0] * len(specs)  # first admissions' hit tokens, per tier
+        self.num_faulty = [0] * len(specs)  # per tier: slots dropped as the engine found them bad
 
     def __bool__(self) -> bool:
         return bool(self.tiers)
@@ -265,7 +266,7 @@ class TierStack:
             for t in range(above):
                 if self.tiers[t].spec.admits(kind) and self._make_room(t):
                     slot = self._place(t, Slot(gid, keys))
-                    self.ops.append(Demote(t, slot, gid, block_id))
+                    self.ops.append(Demote(t, slot, gid, block_id, tuple(keys)))
                     self.num_demoted += 1
                     self.num_stored[t] += 1
                     break
@@ -292,9 +293,10 @@ class TierStack:
                 older = tier.find(gid, keys[0][1])
                 if older is not None and _prefix(tier.slots[older].keys, keys):
                     self._log_stored(t, gid, tier.extend(older, keys))
-                    self.ops.append(Demote(t, older, gid, block_id))
+                    self.ops.append(Demote(t, older, gid, block_id, tuple(keys)))
                 elif self._make_room(t):
-                    self.ops.append(Demote(t, self._place(t, Slot(gid, keys)), gid, block_id))
+                    slot = self._place(t, Slot(gid, keys))
+                    self.ops.append(Demote(t, slot, gid, block_id, tuple(keys)))
                 else:
                     continue
                 self.num_demoted += 1
@@ -316,7 +318,8 @@ class TierStack:
             if below.find(entry.group_id, entry.keys[-1][1]) is not None:
                 break  # already there: nothing to copy
             if below.spec.admits(kind) and self._make_room(d):
-                self.ops.append(Move(t, victim, d, self._place(d, entry)))
+                dst = self._place(d, entry)
+                self.ops.append(Move(t, victim, d, dst, tuple(entry.keys), entry.group_id))
                 self.num_stored[d] += 1
                 break
         else:
@@ -358,9 +361,24 @@ class TierStack:
         tier = self.tiers[t]
         entry = tier.slots[slot]
         tier.touch(slot)
-        self.ops.append(Load(t, slot, entry.group_id, block_id))
+        self.ops.append(Load(t, slot, entry.group_id, block_id, tuple(entry.keys)))
         self.num_loaded[t][entry.group_id] += 1
         return list(entry.keys)
+
+    def drop(self, t: int, slot: int, group_id: int, keys: Sequence[tuple[int, bytes]]) -> bool:
+        """The engine found slot `slot` of tier `t` without the bytes of `keys` (missing, or
+        not what the op that wrote them copied): forget it, so no lookup plans a load from it
+        again. Only while the slot still holds that entry: one the same step placed there
+        since holds other bytes. Returns whether it was dropped."""
+        tier = self.tiers[t]
+        entry = tier.slots.get(slot)
+        if entry is None or entry.group_id != group_id or entry.keys != list(keys):
+            return False
+        if tier.shared:
+            self._hold()
+        self._take(t, slot)
+        self.num_faulty[t] += 1
+        return True
 
     def clear(self) -> None:
         """Forget every slot of every tier of this stack's own (bytes left behind are never

@@ -21,7 +21,7 @@ from kvreuse.engine.hf import is_hf_model_dir, load_hf_model
 from kvreuse.engine.model import Model, TinyModel
 from kvreuse.engine.runner import ModelRunner
 from kvreuse.engine.sampling import SamplingParams
-from kvreuse.engine.store import bind_tiers
+from kvreuse.engine.store import bind_tiers, model_identity
 from kvreuse.engine.tiers import TierBytes
 from kvreuse.sched import Scheduler, Seq
 from kvreuse.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -145,12 +145,15 @@ class LLM:
         check_model_fits(self.model.config, cache)
         spec, num_spec_tokens = self._speculation(spec, num_spec_tokens, geo.sched.num_spec_tokens)
         weights = self.model.w if isinstance(self.model, TinyModel) else self.model.family.w
-        bind_tiers(tiers, self.model_name, weights)
+        if tiers:
+            read = Path(model) / "config.json" if model is not None else self.model.config
+            bind_tiers(tiers, model_identity(read, weights, "float32"))
         self.mgr = KVCacheManager(cache, tiers=[spec_ for spec_, _ in tiers])
         self.runner = ModelRunner(
             self.model, cache, spec=spec, seed=seed, tiers=[held for _, held in tiers]
         )
         self.runner.transfers.media = [t.spec.medium for t in self.mgr.tiers.tiers]
+        self.runner.on_tier_faults = self.mgr.tier_faults
         self.scheduler = Scheduler(
             self.mgr, self.runner, replace(geo.sched, num_spec_tokens=num_spec_tokens)
         )

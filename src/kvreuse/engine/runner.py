@@ -19,7 +19,7 @@ Nothing is published here: the core publishes at commit, from T' and the saved p
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +74,9 @@ class ModelRunner:
         self.model = model
         self.cache = PagedCache(cache, model.config, torch.float32)
         self.tiers = list(tiers)  # the bytes of the core's tiers, in the same order
+        # where a tier op's misses go (`LLM` gives the core's `tier_faults`)
+        self.on_tier_faults: Callable[..., list[str]] | None = None
+        self.num_tier_misses = 0
         self.transfers = Transfers([""] * len(self.tiers))  # `LLM` names the media
         if spec == "eagle" and "draft" not in self.cache.layer_group:
             raise ValueError(
@@ -91,20 +94,32 @@ class ModelRunner:
         self._gens: dict[str, torch.Generator] = {}
         self._drafts: dict[str, _DraftState] = {}
 
-    def run_tier_ops(self, ops: Sequence[TierOp]) -> None:
-        """Tier ops decided between steps (a commit's write-through copies), in order."""
-        run_tier_ops(ops, self.tiers, self.cache, self.transfers)
+    def run_tier_ops(self, ops: Sequence[TierOp]) -> set[str]:
+        """Tier ops, in order (a step's, or a commit's write-through copies between steps);
+        what they could not do goes to `on_tier_faults` (the core's `tier_faults`), which
+        returns the requests whose loads failed."""
+        faults = run_tier_ops(ops, self.tiers, self.cache, self.transfers)
+        if not faults:
+            return set()
+        self.num_tier_misses += sum(faults.reasons.values())
+        if self.on_tier_faults is None:
+            raise RuntimeError(f"tier ops failed ({dict(faults.reasons)}) with no core to tell")
+        return set(self.on_tier_faults(faults.slots, faults.blocks))
 
-    def __call__(self, step: StepPlan, seqs: Mapping[str, Any]) -> list[tuple[Any, ...]]:
-        """Run the step; one outcome per plan, in the step's order (what `commit_batch` takes)."""
+    def __call__(self, step: StepPlan, seqs: Mapping[str, Any]) -> list[tuple[Any, ...] | None]:
+        """Run the step; one outcome per plan, in the step's order (what `commit_batch` takes):
+        None for a request whose loads failed (the core sent it back to wait; its forward
+        would read blocks without their bytes, so it does not run)."""
         for rid in [r for r in self._gens if r not in seqs or seqs[r].finished]:
             self._gens.pop(rid, None)
             self._drafts.pop(rid, None)
-        if step.tier_ops:  # before the copies: a copy may read a block a load fills
-            run_tier_ops(step.tier_ops, self.tiers, self.cache, self.transfers)
+        failed = self.run_tier_ops(step.tier_ops) if step.tier_ops else set()
         for c in step.copies:  # E1: all copies before any write of the step
             self.cache.copy(c)
-        return [self._run(plan, seqs[plan.request_id]) for plan in step.requests]
+        return [
+            None if plan.request_id in failed else self._run(plan, seqs[plan.request_id])
+            for plan in step.requests
+        ]
 
     def _run(self, plan: RequestPlan, seq: Any) -> tuple[int, list[int], list[int]]:
         rid = plan.request_id

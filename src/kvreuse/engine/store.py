@@ -5,24 +5,30 @@
     LLM 2 ─┘
 
 `RedisBytes` is a mapping of `str` to `bytes` kept in the server under `kvreuse:`. `LLM` binds
-each `BytesTier` to a namespace inside it: for a shared tier `store_namespace(model_id, tier)`
-(the model's name and a digest of its weights, the cache layout's `SharedTier.namespace`, the
-tier's name), so replicas of the same model and layout read each other's bytes and no other
-replica does; for a tier of its own, a namespace of its own. A server can hold many at once.
-`BytesTier` frames each value with a checksum, so a value another writer changed is refused at
-its load (`TierCorruption`), never used.
+each `BytesTier` to a namespace inside it: for a shared tier `store_namespace(identity, tier)`
+(a digest of the model's identity, `model_identity`: its whole config, weights and dtype; the
+cache layout's `SharedTier.namespace`; the tier's name), so replicas of the same model and
+layout read each other's bytes and no other replica does; for a tier of its own, a namespace of
+its own. A server can hold many at once. `BytesTier` frames each value with its identity and a
+tag keyed by the model's identity, so a value another writer changed, moved or lost is a miss
+at its load, never used.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import uuid
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvreuse.core import SharedTier, TierSpec
+
+SECRET_ENV = "KVREUSE_STORE_SECRET"
 
 
 class StoreUnavailable(RuntimeError):
@@ -36,12 +42,37 @@ def weights_digest(weights: Mapping[str, torch.Tensor]) -> str:
         t = tensor.detach().cpu().contiguous()
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
+    return h.hexdigest()
 
 
-def store_namespace(model_id: str, tier: SharedTier) -> str:
-    """The namespace of a shared tier's bytes: the model and the cache layout."""
-    return f"{model_id}:{tier.namespace}:{tier.spec.name}"
+def model_identity(config: object, weights: Mapping[str, torch.Tensor], dtype: str) -> str:
+    """What determines the bytes of a block for given tokens: the model's whole config as the
+    engine reads it (a checkpoint's config.json, every field, canonical JSON; else the
+    embedded model's config), its weights and the cache's dtype. Not its directory's name:
+    two checkpoints that differ in one config field never share a namespace."""
+    if isinstance(config, Path):
+        try:
+            text = json.dumps(json.loads(config.read_text()), sort_keys=True)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{config}: cannot read it for the store's namespace: {exc}") from None
+    else:
+        text = repr(config)
+    h = hashlib.sha256(b"kvreuse-model\0")
+    for part in (text, weights_digest(weights), dtype):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()
+
+
+def store_namespace(identity: str, tier: SharedTier) -> str:
+    """The namespace of a shared tier's bytes: the model's identity and the cache layout."""
+    return f"m{identity[:16]}:{tier.namespace}:{tier.spec.name}"
+
+
+def tag_key(identity: str) -> bytes:
+    """The key of a shared tier's tags: the model's whole identity (the namespace shows only a
+    prefix of a digest of it) and `KVREUSE_STORE_SECRET` where set, so a writer without the
+    model (or the secret) cannot make a value the replicas accept."""
+    return identity.encode() + os.environ.get(SECRET_ENV, "").encode()
 
 
 class RedisBytes(MutableMapping[str, bytes]):
@@ -95,21 +126,15 @@ class RedisBytes(MutableMapping[str, bytes]):
             self.client.delete(*keys[i : i + 1000])
 
 
-def bind_tiers(
-    tiers: Sequence[tuple[TierSpec | SharedTier, object]],
-    model_name: str,
-    weights: Mapping[str, torch.Tensor],
-) -> None:
+def bind_tiers(tiers: Sequence[tuple[TierSpec | SharedTier, object]], identity: str) -> None:
     """Bind each `BytesTier` of `tiers` to its namespace (the module docstring): a shared
     tier's is the model's and the layout's, one of a replica's own is that replica's alone."""
     from kvreuse.engine.tiers import BytesTier
 
-    if not any(isinstance(held, BytesTier) for _, held in tiers):
-        return  # no digest of the weights to take
-    model_id = f"{model_name}:{weights_digest(weights)}"
+    key = tag_key(identity)
     for spec, held in tiers:
         if isinstance(held, BytesTier):
             if isinstance(spec, SharedTier):
-                held.bind(store_namespace(model_id, spec))
+                held.bind(store_namespace(identity, spec), key)
             else:
-                held.bind(f"{model_id}:own-{uuid.uuid4().hex[:12]}:{spec.name}")
+                held.bind(f"m{identity[:16]}:own-{uuid.uuid4().hex[:12]}:{spec.name}", key)

@@ -55,8 +55,10 @@ class Seq:
 
 
 # The engine runs a sealed step and returns one outcome per `StepPlan.requests` entry, in that
-# order (the core's `commit_batch`); a mapping from request id to outcome is accepted too.
-Outcomes = Sequence[tuple[Any, ...]] | Mapping[str, tuple[Any, ...]]
+# order (the core's `commit_batch`); a mapping from request id to outcome is accepted too. An
+# outcome of None: the request did not run, because its tier loads failed and the engine told
+# the core (`KVCacheManager.tier_faults`), which sends it back to wait; so does the scheduler.
+Outcomes = Sequence[tuple[Any, ...] | None] | Mapping[str, tuple[Any, ...] | None]
 Engine = Callable[[StepPlan, Mapping[str, "Seq"]], Outcomes]
 
 
@@ -133,6 +135,7 @@ class Scheduler:
         if self.turn is not None:
             with self.turn():  # a hybrid's finish may write its state through to the store
                 seq.stats = self.mgr.finish(request_id)
+                self.hand_tier_ops()  # within the turn: the slots they name are this turn's
         else:
             seq.stats = self.mgr.finish(request_id)
         seq.finish_reason = "abort"
@@ -329,6 +332,9 @@ class Scheduler:
 
     def _preempt(self, seq: Seq, stats: StepStats) -> None:
         self.mgr.preempt(seq.request_id)
+        self._requeue(seq, stats)
+
+    def _requeue(self, seq: Seq, stats: StepStats) -> None:
         self.running.remove(seq)
         seq.running, seq.scheduled = False, 0
         seq.preemptions += 1
@@ -352,10 +358,15 @@ class Scheduler:
         seq.finished, seq.finish_reason = True, "too_large"
         stats.rejected.append(seq.request_id)
 
-    def _apply(self, step: StepPlan, outcomes: Sequence[tuple[Any, ...]], stats: StepStats) -> None:
+    def _apply(
+        self, step: StepPlan, outcomes: Sequence[tuple[Any, ...] | None], stats: StepStats
+    ) -> None:
         seqs = self.seqs
         for plan, outcome in zip(step.requests, outcomes, strict=True):
             seq = seqs[plan.request_id]
+            if outcome is None:  # its tier loads failed: the core sent it back to wait
+                self._requeue(seq, stats)
+                continue
             t_new, new_tokens = outcome[0], outcome[1]
             seq.scheduled = t_new  # rejected drafts are scheduled again
             if not new_tokens:

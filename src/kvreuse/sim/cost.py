@@ -112,7 +112,7 @@ class CostMeter:
         values = outcomes.values() if isinstance(outcomes, Mapping) else outcomes
         saved = 0
         for outcome in values:
-            if len(outcome) > 2 and outcome[2]:
+            if outcome is not None and len(outcome) > 2 and outcome[2]:
                 saved += len(outcome[2])
         chunks = 0
         for plan in step.requests:
