@@ -22,7 +22,7 @@ from kvreuse.engine.store import RedisBytes, StoreUnavailable
 from kvreuse.engine.tiers import BytesTier, HostTier
 from kvreuse.events import Converter, StoreMirror
 from kvreuse.fleet.routing.router import Router
-from kvreuse.serve.store_turns import decode
+from kvreuse.serve.store_turns import decode, decode_state
 from store_server import redis_server
 
 GEOMETRY = "tiny-hybrid-dcp4"
@@ -239,13 +239,16 @@ def test_servers_share_one_store_through_the_server(url: str) -> None:
         _complete(ub, "kvreuse-fake", "the last turn is b's " * 3)
     assert hit_a == 0 and hit_b > 0 and first == again == alone
     assert b.mgr.metrics()["tiers"]["store"]["hit_tokens"] >= hit_b > 0
-    # b took the last turn: a copy that replays the whole journal is b's, slot for slot
+    # b took the last turn: a copy rebuilt from the snapshot and the log is b's, slot for slot
     sb = b.mgr.tiers.shared[0]
     assert isinstance(sb, SharedTier) and len(sb) > 0
     rebuilt = SharedTier(sb.spec, sb.config)
-    journal = RedisBytes(url).client.lrange(b.scheduler.turn.__self__.log_key, 0, -1)
-    for raw in journal:
-        rebuilt.replay(decode(raw))
+    keys = b.scheduler.turn.__self__.keys
+    client = RedisBytes(url).client
+    _, snap_seq, state = decode_state(client.get(keys.snap))
+    rebuilt.import_state(state)
+    for _, fields in client.xrange(keys.log, min=f"{snap_seq + 1}-0", max="+"):
+        rebuilt.replay(decode(fields[b"e"]))
     assert {s: e.keys for s, e in rebuilt.slots.items()} == {s: e.keys for s, e in sb.slots.items()}
     assert list(rebuilt.order) == list(sb.order) and rebuilt._free == sb._free
 

@@ -16,9 +16,6 @@ import httpx
 import pytest
 from test_front_util import command, metric, run_agent
 
-from kvreuse.events import StoreMirror
-from kvreuse.fleet.serving.store import StoreFollower
-from kvreuse.serve.store_turns import encode
 from store_server import redis_server
 
 for _name in ("fastapi", "uvicorn", "openai", "redis"):
@@ -56,38 +53,3 @@ def test_sessions_move_between_replicas_and_take_their_history_from_the_store(
     assert all(t.cached_by_medium is not None for t in moved)
     assert sum(t.cached_by_medium["STORE"] for t in moved if t.cached_by_medium) > 0
     assert from_store == sum(t.cached_by_medium["STORE"] for t in turns if t.cached_by_medium)
-
-
-class _Journal:
-    """A Redis list as the follower reads it, or a client that cannot reach the server."""
-
-    def __init__(self, entries: list[str] | None) -> None:
-        self.entries = entries
-
-    def lrange(self, key: str, start: int, end: int) -> list[str]:
-        if self.entries is None:
-            raise ConnectionError("connection refused")
-        return self.entries[start:]
-
-
-def _follower(entries: list[str] | None) -> StoreFollower:
-    from kvreuse.deployment import resolve
-
-    geo = resolve("tiny-hybrid-dcp4").cache.geometry
-    return StoreFollower(_Journal(entries), "kvreuse:x:journal", StoreMirror(geo, "STORE"))
-
-
-def test_an_unreachable_store_leaves_the_view_as_it_was() -> None:
-    follower = _follower([encode([("place", 0, 0, [(64, b"k" * 32)])])])
-    assert follower.sync() == 1 and len(follower.mirror.entries(0)) == 1
-    follower.client.entries = None
-    assert follower.sync() == 0 and len(follower.mirror.entries(0)) == 1
-    assert follower.num_errors == 1 and "refused" in (follower.last_error or "")
-
-
-def test_a_journal_that_does_not_fit_the_view_stops_the_store_predictions() -> None:
-    placed = encode([("place", 0, 0, [(64, b"k" * 32)])])
-    follower = _follower([placed, encode([("take", 5)])])
-    assert follower.sync() == 0
-    assert follower.broken is not None and "journal entry 1" in follower.broken
-    assert not follower.mirror.entries(0)  # no store hit predicted rather than a wrong one

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from kvreuse.core import SharedTier, TierSpec
+from kvreuse.serve.store_turns import redacted, redis_client
 
 SECRET_ENV = "KVREUSE_STORE_SECRET"
 
@@ -75,37 +76,73 @@ def tag_key(identity: str) -> bytes:
     return identity.encode() + os.environ.get(SECRET_ENV, "").encode()
 
 
-class RedisBytes(MutableMapping[str, bytes]):
-    """Values under `kvreuse:` in the server at `url` (redis://host:port/db)."""
+_FENCED_SET = """
+if redis.call('get', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('set', KEYS[2], ARGV[2])
+return 1
+"""
 
-    def __init__(self, url: str, *, timeout_s: float = 5.0) -> None:
+
+class RedisBytes(MutableMapping[str, bytes]):
+    """Values under `kvreuse:` in the server at `url` (redis://host:port/db). A write of a
+    shared store presents the fence of the turn held (`turns`, kvreuse.serve.store_turns): a
+    server whose turn was taken writes nothing. While `breaker` is open after an error, the
+    server is not asked: reads and writes fail at once (the tier counts them as misses)."""
+
+    def __init__(self, url: str, *, timeout_s: float = 2.0, breaker: Any = None) -> None:
         try:
             import redis
         except ImportError as exc:  # pragma: no cover - an install without the client
             raise StoreUnavailable(
                 "the shared store needs the redis client: pip install 'kvreuse[engine]'"
             ) from exc
+        from kvreuse.serve.store_turns import Breaker
+
         self.url = url
         self.prefix = "kvreuse:"
-        self.client: Any = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
-        )
+        self.client: Any = redis_client(url, timeout_s)
+        self.breaker = breaker if breaker is not None else Breaker()
+        self.turns: Any = None
+        self._fenced = self.client.register_script(_FENCED_SET)
         try:
             self.client.ping()
         except redis.RedisError as exc:
             raise StoreUnavailable(
-                f"cannot reach the store at {url} ({exc}); start one, e.g. redis-server --port "
-                "6379, or give another url"
-            ) from exc
+                f"cannot reach the store at {redacted(url)} ({exc}); start one, e.g. "
+                "redis-server --port 6379, or give another url"
+            ) from None
+
+    def _ask(self) -> None:
+        if not self.breaker.closed():
+            raise StoreUnavailable("the store failed a moment ago; not asked until it may answer")
 
     def __getitem__(self, key: str) -> bytes:
-        value = self.client.get(self.prefix + key)
+        self._ask()
+        try:
+            value = self.client.get(self.prefix + key)
+        except Exception:
+            self.breaker.trip()
+            raise
         if value is None:
             raise KeyError(key)
         return bytes(value)
 
     def __setitem__(self, key: str, value: bytes) -> None:
-        self.client.set(self.prefix + key, value)
+        self._ask()
+        try:
+            if self.turns is None:
+                self.client.set(self.prefix + key, value)
+                return
+            fence = self.turns.fence
+            if fence is None or not self._fenced(
+                keys=[self.turns.keys.turn, self.prefix + key], args=[fence, value]
+            ):
+                raise StoreUnavailable(f"{key}: not written, this server's turn was taken")
+        except StoreUnavailable:
+            raise
+        except Exception:
+            self.breaker.trip()
+            raise
 
     def __delitem__(self, key: str) -> None:
         if not self.client.delete(self.prefix + key):

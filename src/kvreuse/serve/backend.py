@@ -68,12 +68,15 @@ class TierOptions:
         ]
 
 
-def share_store(sched: Scheduler, tiers: TierOptions, namespace: str | None = None) -> str | None:
+def share_store(
+    sched: Scheduler, tiers: TierOptions, namespace: str | None = None, store: Any = None
+) -> str | None:
     """Give `sched` its turns over the store it shares with other servers
-    (kvreuse.serve.store_turns): `namespace`, the store's bytes' (the engine's), else one of
-    the cache layout's alone (the fake backend, which keeps no bytes). Returns the Redis key
-    of the store's journal, which a router reads to mirror the store."""
-    from kvreuse.serve.store_turns import StoreTurns
+    (kvreuse.serve.store_turns): `namespace`, the store's bytes' (the engine's, whose
+    `RedisBytes` is `store`: its writes then present the turn's fence), else one of the cache
+    layout's alone (the fake backend, which keeps no bytes). Returns the Redis key of the
+    store's log, which a router reads to mirror the store."""
+    from kvreuse.serve.store_turns import StoreTurns, redacted, redis_client
 
     shared = sched.mgr.tiers.shared
     if not shared or tiers.store_url is None:
@@ -82,15 +85,36 @@ def share_store(sched: Scheduler, tiers: TierOptions, namespace: str | None = No
 
     tier = shared[0]
     assert isinstance(tier, SharedTier)
-    client = redis.Redis.from_url(tiers.store_url, socket_timeout=5, socket_connect_timeout=5)
+    client = redis_client(tiers.store_url, 2.0)
     try:
         client.ping()
     except redis.RedisError as exc:
-        raise RuntimeError(f"cannot reach the store at {tiers.store_url} ({exc})") from None
+        where = redacted(tiers.store_url)
+        raise RuntimeError(f"cannot reach the store at {where} ({exc})") from None
     ns = namespace or f"fake:{tier.namespace}:{tier.spec.name}"
-    turns = StoreTurns(tier, client, ns)
+    turns = StoreTurns(tier, client, ns, breaker=getattr(store, "breaker", None))
+    check_store_meta(client, turns.keys.meta, tier)
+    if store is not None:
+        store.turns = turns
     sched.turn = turns.turn
     return turns.log_key
+
+
+def check_store_meta(client: Any, key: str, tier: SharedTier) -> None:
+    """Servers on one shared store agree on its capacity: the first one records it, a later
+    one with another is refused in one line (its copy could not follow the others')."""
+    import json
+
+    mine = json.dumps({"capacity_blocks": tier.spec.num_blocks, "layout": tier.namespace})
+    client.set(key, mine, nx=True)
+    theirs = client.get(key)
+    if theirs is not None and theirs.decode() != mine:
+        got = json.loads(theirs)
+        raise ValueError(
+            f"the shared store holds a tier of {got.get('capacity_blocks')} blocks; this server's "
+            f"--store-capacity gives {tier.spec.num_blocks}: servers sharing a store must give "
+            "the same"
+        )
 
 
 @dataclass
@@ -190,7 +214,7 @@ def default_backend(
     journal = None
     if tiers is not None and tiers.store_shared:
         held = [b for spec, b in kwargs["tiers"] if isinstance(spec, SharedTier)]
-        journal = share_store(llm.scheduler, tiers, held[0].prefix.rstrip(":"))
+        journal = share_store(llm.scheduler, tiers, held[0].prefix.rstrip(":"), held[0].store)
     geo = kwargs.get("geometry")
     model_cfg = getattr(getattr(llm, "model", None), "config", None)
     vocab = getattr(model_cfg, "vocab_size", None)

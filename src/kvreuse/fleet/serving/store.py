@@ -1,82 +1,160 @@
 """The front's view of a store its replicas share (`kvreuse serve --store-shared`).
 
-Replicas in several processes keep one store equal by a journal of its changes in Redis
+Replicas in several processes keep one store equal by a log of its changes in Redis
 (kvreuse.serve.store_turns): each takes a step as a turn and pushes what it changed. The
-front reads the same journal, so its `StoreMirror` (kvreuse.events.mirror), which every
-replica's mirror lists as a shared tier, holds the keys the store holds after the last turn:
+front reads the same view (its epoch, the snapshot, the entries after it), so its
+`StoreMirror` (kvreuse.events.mirror), which every replica's mirror lists as a shared tier,
+holds the keys the store holds after the last turn:
 
-    journal ["place", 7, g, keys] ──► index[g][key] = 7 for keys no slot indexes yet ─► mirror
-            ["take", 7]           ──► keys slot 7 indexed leave the index            ─► mirror
-            ["extend", 7, keys]   ──► the slot's later keys join it                  ─► mirror
-            ["touch", 7]          ──► nothing a lookup reads (the store's LRU order)
+    ["place", 7, g, keys] ──► index[g][key] = 7 for keys no slot indexes yet ─► mirror
+    ["take", 7]           ──► keys slot 7 indexed leave the index            ─► mirror
+    ["extend", 7, keys]   ──► the slot's later keys join it                  ─► mirror
+    ["touch", 7]          ──► nothing a lookup reads (the store's LRU order)
 
 The index follows the core's rule (kvreuse.core.tiers.Tier): a key belongs to the first slot
-that indexed it, and leaves with that slot only. Before each decision the dispatcher calls
-`sync()`; a replica's next turn replays exactly the entries the front has read, so a request
-routed while no other replica changes the store finds the store the front predicted from.
-A journal that cannot be read leaves the view as it was (counted in `num_errors`, logged
-once): a decision is then made on an older store, never refused. An entry that does not fit
-the view (a slot it never placed) means the view cannot be trusted: it is emptied and the
-front stops following (`broken`), so it predicts no store hits rather than wrong ones.
+that indexed it, and leaves with that slot only. Before each decision the dispatcher reads the
+view (`fetch()`, I/O only) and applies it (`apply_fetched()`, memory only). `exact` says whether
+the view is complete and current as of that read: after a read that failed, an epoch that
+changed, a log that went back or lost entries the front had not read, or an entry that does
+not fit, it is False until the view is rebuilt from the snapshot (the next read does it), and
+the front marks no store prediction exact meanwhile.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from kvreuse.events import StoreMirror
 from kvreuse.events.wire import low64
-from kvreuse.serve.store_turns import decode
+from kvreuse.serve.store_turns import (
+    StoreKeys,
+    View,
+    decode,
+    decode_state,
+    entry_seq,
+    read_view,
+)
 
 log = logging.getLogger("kvreuse.fleet")
 
 Keys = list[tuple[int, bytes]]
 
 
-class StoreFollower:
-    """Keeps `mirror` equal to the store whose journal is the Redis list `journal_key`."""
+@dataclass
+class Fetched:
+    """One read of the view: the entries after the front's, or a snapshot and the entries
+    after it when the front must rebuild; `error` when the read failed."""
 
-    def __init__(self, client: Any, journal_key: str, mirror: StoreMirror) -> None:
-        self.client, self.journal_key, self.mirror = client, journal_key, mirror
+    view: View | None
+    snapshot: bytes | None = None
+    rebuild: bool = False
+    error: str | None = None
+
+
+class StoreFollower:
+    """Keeps `mirror` equal to the shared store whose log is the Redis stream `log_key`."""
+
+    def __init__(self, client: Any, log_key: str, mirror: StoreMirror) -> None:
+        self.client, self.mirror = client, mirror
+        self.keys = StoreKeys(log_key.removeprefix("kvreuse:").removesuffix(":log"))
+        self.journal_key = log_key
         self.slots: dict[int, tuple[int, Keys]] = {}  # slot → (group id, keys)
         self.index: list[dict[bytes, int]] = [{} for _ in mirror.index]  # key → slot
-        self.cursor = 0  # journal entries applied
-        self.num_errors = 0
+        self.epoch: str | None = None
+        self.seq = -1
+        self.exact = False
+        self.num_errors = self.num_rebuilds = 0
         self.last_error: str | None = None
-        self.broken: str | None = None
+
+    @property
+    def broken(self) -> str | None:
+        return None if self.exact else (self.last_error or "not read yet")
 
     def sync(self) -> int:
-        """Apply the journal's new entries; returns how many there were."""
-        if self.broken is not None:
-            return 0
-        try:
-            entries = self.client.lrange(self.journal_key, self.cursor, -1)
-        except Exception as exc:  # the store's client raises its own errors; none may escape
-            self.num_errors += 1
-            if self.last_error is None:
-                log.warning("cannot read the shared store's journal (%s): routing on the "
-                            "store as last read", exc)  # fmt: skip
-            self.last_error = str(exc)
-            return 0
-        self.last_error = None
-        for raw in entries:
-            try:
-                self.apply(decode(raw))
-            except (ValueError, KeyError, IndexError, TypeError) as exc:
-                self._break(f"journal entry {self.cursor}: {exc!r}")
-                return 0
-            self.cursor += 1
-        return len(entries)
+        """Read the view and apply it; returns how many entries were applied."""
+        return self.apply_fetched(self.fetch())
 
-    def _break(self, why: str) -> None:
-        log.error("the shared store's journal does not fit the front's view (%s): no longer "
-                  "predicting store hits", why)  # fmt: skip
-        self.broken = why
+    def fetch(self) -> Fetched:
+        """The I/O of a sync; never raises."""
+        try:
+            view = read_view(self.client, self.keys, self.seq)
+            if view.epoch is None:
+                return Fetched(view)
+            first = entry_seq(view.entries[0][0]) if view.entries else view.seq + 1
+            behind = view.epoch != self.epoch or view.seq < self.seq or first != self.seq + 1
+            if not behind:
+                return Fetched(view)
+            snap = self.client.get(self.keys.snap)
+            if snap is not None:
+                _, snap_seq, _ = decode_state(snap)
+                view = read_view(self.client, self.keys, snap_seq)
+            return Fetched(view, snap, rebuild=True)
+        except Exception as exc:  # the store's client raises its own errors; none may escape
+            return Fetched(None, error=f"{type(exc).__name__}: {exc}")
+
+    def apply_fetched(self, got: Fetched) -> int:
+        """The memory part of a sync."""
+        if got.view is None or got.view.epoch is None:
+            why = got.error or "the store holds no view yet"
+            self._inexact(why, clear=got.error is None)
+            return 0
+        view = got.view
+        try:
+            if got.rebuild:
+                self._rebuild(view, got.snapshot)
+            applied = self._apply_entries(view)
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            self._inexact(f"the view does not fit: {exc!r}", clear=True)
+            return 0
+        self.exact, self.last_error = True, None
+        return applied
+
+    def _inexact(self, why: str, *, clear: bool) -> None:
+        self.num_errors += 1
+        if self.last_error != why:
+            log.warning("shared store %s: %s; store predictions are not exact until it is "
+                        "read again", self.keys.ns, why)  # fmt: skip
+        self.exact, self.last_error = False, why
+        if clear:
+            self._clear()
+            self.epoch, self.seq = None, -1
+
+    def _rebuild(self, view: View, snapshot: bytes | None) -> None:
+        self.num_rebuilds += 1
+        self._clear()
+        if snapshot is None:
+            raise ValueError("no snapshot to rebuild from")
+        epoch, seq, state = decode_state(snapshot)
+        if epoch != view.epoch:
+            raise ValueError("the snapshot is of another view")
+        for slot, gid, keys in state.slots:
+            self.slots[slot] = (gid, [(b, k) for b, k, _ in keys])
+            self._index(slot, gid, [(b, k) for b, k, indexed in keys if indexed])
+        self.epoch, self.seq = epoch, seq
+
+    def _apply_entries(self, view: View) -> int:
+        applied = 0
+        for entry_id, fields in view.entries:
+            if entry_seq(entry_id) != self.seq + 1:
+                raise ValueError(f"entry {self.seq + 1} is gone")
+            self.apply(decode(fields.get(b"e", fields.get("e"))))
+            self.seq += 1
+            applied += 1
+        if self.seq != view.seq:
+            raise ValueError(f"the log ends at {self.seq}, not {view.seq}")
+        self.epoch = view.epoch
+        return applied
+
+    def _clear(self) -> None:
+        self.slots.clear()
+        for idx in self.index:
+            idx.clear()
         self.mirror.clear()
 
     def apply(self, changes: list[tuple[Any, ...]]) -> None:
-        """One journal entry's changes, in order."""
+        """One log entry's changes, in order."""
         for op, *args in changes:
             if op == "place":
                 slot, gid, keys = args
@@ -98,12 +176,9 @@ class StoreFollower:
                 self.slots[slot] = (gid, list(keys))
                 self._index(slot, gid, keys)
             elif op == "clear":
-                self.slots.clear()
-                for idx in self.index:
-                    idx.clear()
-                self.mirror.clear()
+                self._clear()
             elif op != "touch":
-                raise ValueError(f"the shared store's journal holds an unknown change {op!r}")
+                raise ValueError(f"the shared store's log holds an unknown change {op!r}")
 
     def _index(self, slot: int, gid: int, keys: Keys) -> None:
         idx = self.index[gid]
@@ -135,7 +210,8 @@ def follow_replicas(dispatcher: Any, urls: list[str], store_url: str) -> StoreFo
     """Follow the store the replicas at `urls` share (each names its journal at
     /kvreuse/store); ValueError in one line when one names none, or another."""
     import httpx
-    import redis
+
+    from kvreuse.serve.store_turns import redis_client
 
     assert dispatcher.store is not None
     journals = set()
@@ -153,7 +229,7 @@ def follow_replicas(dispatcher: Any, urls: list[str], store_url: str) -> StoreFo
         journals.add(info["journal"])
     if len(journals) != 1:
         raise ValueError(f"the replicas do not share one store: journals {sorted(journals)}")
-    client = redis.Redis.from_url(store_url, socket_timeout=5, socket_connect_timeout=5)
+    client = redis_client(store_url, 2.0)
     follower = StoreFollower(client, journals.pop(), dispatcher.store)
     dispatcher.follow_store(follower)
     return follower
