@@ -22,7 +22,7 @@ from kvreuse.engine.store import RedisBytes, StoreUnavailable
 from kvreuse.engine.tiers import BytesTier, HostTier
 from kvreuse.events import Converter, StoreMirror
 from kvreuse.fleet.routing.router import Router
-from kvreuse.serve.store_turns import decode, decode_state
+from kvreuse.serve.store_view import decode, decode_state
 from store_server import redis_server
 
 GEOMETRY = "tiny-hybrid-dcp4"

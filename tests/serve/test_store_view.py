@@ -16,7 +16,8 @@ from kvreuse.core import SharedTier, TierSpec
 from kvreuse.deployment import resolve
 from kvreuse.events import StoreMirror
 from kvreuse.fleet.serving.store import StoreFollower
-from kvreuse.serve.store_turns import LOG_FLOOR, Breaker, StoreTurns, redacted, redis_client
+from kvreuse.serve.store_turns import LOG_FLOOR, Breaker, StoreTurns
+from kvreuse.serve.store_view import redacted, redis_client
 from store_server import redis_server
 
 pytest.importorskip("redis", reason="the shared store needs redis: pip install -e '.[engine]'")

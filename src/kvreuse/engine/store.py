@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from kvreuse.core import SharedTier, TierSpec
-from kvreuse.serve.store_turns import redacted, redis_client
+from kvreuse.serve.store_view import redacted, redis_client
 
 SECRET_ENV = "KVREUSE_STORE_SECRET"
 

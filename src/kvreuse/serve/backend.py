@@ -76,7 +76,8 @@ def share_store(
     `RedisBytes` is `store`: its writes then present the turn's fence), else one of the cache
     layout's alone (the fake backend, which keeps no bytes). Returns the Redis key of the
     store's log, which a router reads to mirror the store."""
-    from kvreuse.serve.store_turns import StoreTurns, redacted, redis_client
+    from kvreuse.serve.store_turns import StoreTurns
+    from kvreuse.serve.store_view import redacted, redis_client
 
     shared = sched.mgr.tiers.shared
     if not shared or tiers.store_url is None:

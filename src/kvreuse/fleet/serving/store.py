@@ -28,7 +28,7 @@ from typing import Any
 
 from kvreuse.events import StoreMirror
 from kvreuse.events.wire import low64
-from kvreuse.serve.store_turns import (
+from kvreuse.serve.store_view import (
     StoreKeys,
     View,
     decode,
@@ -211,7 +211,7 @@ def follow_replicas(dispatcher: Any, urls: list[str], store_url: str) -> StoreFo
     /kvreuse/store); ValueError in one line when one names none, or another."""
     import httpx
 
-    from kvreuse.serve.store_turns import redis_client
+    from kvreuse.serve.store_view import redis_client
 
     assert dispatcher.store is not None
     journals = set()
