@@ -160,7 +160,7 @@ def test_the_follower_is_exact_only_on_a_complete_current_view(url: str) -> None
     assert follower.exact
     client = a.turns.client
     seq = client.incr(a.turns.keys.seq)
-    client.xadd(a.turns.keys.log, {"e": b"[[\"take\", 99]]"}, id=f"{seq}-0")
+    client.xadd(a.turns.keys.log, {"e": b'[["take", 99]]'}, id=f"{seq}-0")
     follower.sync()
     assert not follower.exact and not follower.index[0]  # no store hit rather than a wrong one
 
