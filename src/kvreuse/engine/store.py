@@ -27,7 +27,6 @@ from typing import Any
 import torch
 
 from kvreuse.core import SharedTier, TierSpec
-from kvreuse.serve.store_view import redacted, redis_client
 
 SECRET_ENV = "KVREUSE_STORE_SECRET"
 
@@ -89,31 +88,37 @@ class RedisBytes(MutableMapping[str, bytes]):
     server whose turn was taken writes nothing. While `breaker` is open after an error, the
     server is not asked: reads and writes fail at once (the tier counts them as misses)."""
 
-    def __init__(self, url: str, *, timeout_s: float = 2.0, breaker: Any = None) -> None:
+    def __init__(
+        self, url: str, *, timeout_s: float = 2.0, client: Any = None, breaker: Any = None
+    ) -> None:
+        """`client`: a redis client for `url` (the server's, which keeps the password out of
+        sight); `breaker`: one with `closed()` and `trip()` (kvreuse.serve.store_turns), or
+        None to ask the server every time."""
         try:
             import redis
         except ImportError as exc:  # pragma: no cover - an install without the client
             raise StoreUnavailable(
                 "the shared store needs the redis client: pip install 'kvreuse[engine]'"
             ) from exc
-        from kvreuse.serve.store_turns import Breaker
-
         self.url = url
         self.prefix = "kvreuse:"
-        self.client: Any = redis_client(url, timeout_s)
-        self.breaker = breaker if breaker is not None else Breaker()
+        self.client: Any = client or redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        )
+        self.breaker = breaker
         self.turns: Any = None
         self._fenced = self.client.register_script(_FENCED_SET)
         try:
             self.client.ping()
         except redis.RedisError as exc:
+            where = url.rsplit("@", 1)[-1] if "@" in url else url  # no credentials in messages
             raise StoreUnavailable(
-                f"cannot reach the store at {redacted(url)} ({exc}); start one, e.g. "
+                f"cannot reach the store at {where} ({exc}); start one, e.g. "
                 "redis-server --port 6379, or give another url"
             ) from None
 
     def _ask(self) -> None:
-        if not self.breaker.closed():
+        if self.breaker is not None and not self.breaker.closed():
             raise StoreUnavailable("the store failed a moment ago; not asked until it may answer")
 
     def __getitem__(self, key: str) -> bytes:
@@ -121,7 +126,8 @@ class RedisBytes(MutableMapping[str, bytes]):
         try:
             value = self.client.get(self.prefix + key)
         except Exception:
-            self.breaker.trip()
+            if self.breaker is not None:
+                self.breaker.trip()
             raise
         if value is None:
             raise KeyError(key)
@@ -141,7 +147,8 @@ class RedisBytes(MutableMapping[str, bytes]):
         except StoreUnavailable:
             raise
         except Exception:
-            self.breaker.trip()
+            if self.breaker is not None:
+                self.breaker.trip()
             raise
 
     def __delitem__(self, key: str) -> None:

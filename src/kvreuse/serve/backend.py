@@ -250,6 +250,8 @@ def _engine_tiers(
     from kvreuse.engine.llm import DEFAULT_GEOMETRY
     from kvreuse.engine.store import RedisBytes
     from kvreuse.engine.tiers import BytesTier, HostTier
+    from kvreuse.serve.store_turns import Breaker
+    from kvreuse.serve.store_view import redis_client
 
     if geometry is None:  # the geometry LLM will pick
         hf = model is not None and is_hf_model_dir(model)
@@ -262,5 +264,7 @@ def _engine_tiers(
         else:
             if tiers.store_url is None:
                 raise ValueError("--store-capacity needs --store-url (a Redis server) or --fake")
-            out.append((spec, BytesTier(RedisBytes(tiers.store_url), name=name)))
+            client = redis_client(tiers.store_url, 2.0)
+            store = RedisBytes(tiers.store_url, client=client, breaker=Breaker())
+            out.append((spec, BytesTier(store, name=name)))
     return out
