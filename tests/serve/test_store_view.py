@@ -135,7 +135,6 @@ def test_the_log_stays_bounded(url: str) -> None:
     assert a.turns.num_snapshots + b.turns.num_snapshots > 0
     assert logged <= max(snap, LOG_FLOOR) + 4096  # one entry more at most
     a.run([0])
-    assert state(a) == state(b) or state(b) != state(Server(url))
     late = Server(url)
     late.run([1])
     a.run([2])

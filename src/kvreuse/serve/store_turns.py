@@ -44,11 +44,10 @@ from typing import Any
 from kvreuse.core import InvariantError, SharedTier, TierState
 from kvreuse.serve.store_view import (
     StoreKeys,
-    decode,
     decode_state,
     encode,
     encode_state,
-    entry_seq,
+    entries_after,
     read_view,
 )
 
@@ -188,7 +187,7 @@ class StoreTurns:
     # ------------------------------------------------------------------ begin and end
     def _begin(self) -> bool:
         if not self.breaker.closed():
-            self._detach(None)
+            self._detach()
             self.num_detached_turns += 1
             return False
         try:
@@ -219,7 +218,7 @@ class StoreTurns:
             self.breaker.ok()
         except ViewBroken as why:  # its changes reached no one: the copy is not the view
             log.warning("shared store %s: %s; this server rebuilds its copy", self.keys.ns, why)
-            self._detach(str(why))
+            self._detach()
         except Exception as exc:  # as in _begin
             self._fault(exc)
 
@@ -246,9 +245,9 @@ class StoreTurns:
             with contextlib.suppress(Exception):  # the lease ends it anyway
                 self._scripts["release"](keys=[self.keys.turn], args=[self.fence])
             self.fence = None
-        self._detach(self.last_error)
+        self._detach()
 
-    def _detach(self, why: str | None) -> None:
+    def _detach(self) -> None:
         if not self.tier.detached:
             self.tier.detach()
         self.epoch, self.seq = None, -1
@@ -271,24 +270,16 @@ class StoreTurns:
 
     def _apply(self, entries: list[Any], after: int, upto: int) -> None:
         """Apply the entries after `after`, which must run without a gap to `upto`."""
-        expect = after + 1
         self.tier.open_turn()
         try:
-            for entry_id, fields in entries:
-                if entry_seq(entry_id) != expect:
-                    raise ViewBroken(f"entries {expect}..{entry_seq(entry_id) - 1} are gone")
-                raw = fields.get(b"e", fields.get("e"))
-                try:
-                    self.tier.replay(decode(raw))
-                except (ValueError, InvariantError, KeyError, IndexError) as exc:
-                    raise ViewBroken(f"entry {expect} does not fit: {exc}") from None
-                expect += 1
+            for changes in entries_after(entries, after, upto):
+                self.tier.replay(changes)
                 self.num_replayed += 1
+        except (ValueError, InvariantError, KeyError, IndexError) as exc:
+            raise ViewBroken(f"the log does not fit this copy: {exc}") from None
         finally:
             self.tier.close_turn()
             self.tier.take_journal()  # a replay records nothing of this server's
-        if expect - 1 != upto:
-            raise ViewBroken(f"the log ends at {expect - 1}, not {upto}")
         self.seq = upto
 
     def _rebuild(self, epoch: str, seq: int) -> None:
@@ -311,7 +302,7 @@ class StoreTurns:
     def _reset(self, why: str) -> None:
         """Start a new, empty view (we hold the turn)."""
         log.warning("shared store %s: %s; starting a new view", self.keys.ns, why)
-        self._detach(why)
+        self._detach()
         epoch = uuid.uuid4().hex
         self.tier.import_state(TierState([], list(range(self.tier.spec.num_blocks - 1, -1, -1))))
         args = [self.fence, epoch, self._state(epoch, 0)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -102,6 +103,21 @@ def read_view(client: Any, keys: StoreKeys, after: int) -> View:
     epoch, seq, entries, log_bytes, snap_bytes = pipe.execute()
     return View(epoch.decode() if epoch is not None else None, int(seq or -1), entries,
                 int(log_bytes or 0), int(snap_bytes or 0))  # fmt: skip
+
+
+def entries_after(entries: list[Any], after: int, upto: int) -> Iterator[list[tuple[Any, ...]]]:
+    """The changes of each entry of `entries` (as XRANGE gives them) after entry `after`, in
+    order; ValueError where one is missing (trimmed), does not decode, or the log does not
+    reach `upto`: the reader's view then cannot follow from where it is."""
+    expect = after + 1
+    for entry_id, fields in entries:
+        seq = entry_seq(entry_id)
+        if seq != expect:
+            raise ValueError(f"entries {expect}..{seq - 1} are gone")
+        yield decode(fields.get(b"e", fields.get("e")))
+        expect += 1
+    if expect - 1 != upto:
+        raise ValueError(f"the log ends at {expect - 1}, not {upto}")
 
 
 def entry_seq(entry_id: bytes | str) -> int:
