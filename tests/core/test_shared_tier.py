@@ -29,7 +29,7 @@ from kvreuse.core import (
 )
 from kvreuse.events import StoreMirror
 from kvreuse.fleet.serving.store import StoreFollower
-from kvreuse.serve.store_turns import decode, encode
+from kvreuse.serve.store_view import decode, encode
 from test_properties import geometries
 from test_tiers import TierDriver
 
