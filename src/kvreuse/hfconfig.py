@@ -17,16 +17,18 @@ the attention windows and KV shapes, and the shape and size of every recurrent s
 
 `geometry_toml` turns a spec into a geometry file (`kvreuse geometry from-model DIR`), so the
 simulator, sweeps and the qualifier run on a real model's groups. The engine reads the same spec
-(`kvreuse.engine.hf`), so the two never disagree about which layer is in which group.
+(`kvreuse.engine.hf`), so the two never disagree about which layer is in which group. Fields are
+read through `Fields`: each refusal is a one-line `CheckpointError` naming the field.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 # model_type -> family name (the engine module that runs it)
 FAMILIES: dict[str, str] = {
@@ -54,6 +56,95 @@ LAYER_TYPES: dict[str, dict[str, tuple[str, str]]] = {
     },
 }
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# No real model comes near these. They bound what a config.json alone makes kvreuse build (the
+# layer list, the geometry's sizes) before any weights are there to compare it with.
+MAX_LAYERS = 1 << 16
+MAX_SIZE = 1 << 40
+
+
+class CheckpointError(ValueError):
+    """A config.json (or the weights beside it) that kvreuse cannot read or the engine cannot
+    run: one line naming the file and the field or tensor, and what is allowed."""
+
+
+REQUIRED: Any = object()  # a field with no default: it must be in config.json
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlist = _SHORT.maxdict = 4
+_SHORT.maxstring = _SHORT.maxother = _SHORT.maxlong = 40
+
+
+def show(value: Any) -> str:
+    """A config value for a one-line message: a repr (which escapes newlines) cut short, and
+    built short, so a list of a million layer types costs nothing to name."""
+    text = _SHORT.repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def is_number(v: Any) -> bool:
+    """A finite JSON number (not a bool; an integer too large for a float is not finite)."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
+class Fields:
+    """Typed reads of one config.json. A field that is absent or null takes the value
+    `transformers` gives it when absent (`default`; REQUIRED: there is none, it must be there);
+    each refusal is one line naming the field and what it may be."""
+
+    def __init__(self, d: dict[str, Any], where: str) -> None:
+        self.d = d
+        self.where = where
+
+    def has(self, key: str) -> bool:
+        return self.d.get(key) is not None
+
+    def fail(self, key: str, problem: str) -> NoReturn:
+        raise CheckpointError(f"{self.where}: {key} {problem}")
+
+    def _value(self, key: str, default: Any) -> Any:
+        if self.has(key):
+            return self.d[key]
+        if default is REQUIRED:
+            self.fail(key, "is missing")
+        return default
+
+    def integer(self, key: str, default: Any = REQUIRED, lo: int = 1, hi: int = MAX_SIZE) -> int:
+        v = self._value(key, default)
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            top = "" if hi == MAX_SIZE else f" and ≤ {hi:,}"
+            self.fail(key, f"must be an integer ≥ {lo}{top}, got {show(v)}")
+        return v
+
+    def number(self, key: str, default: Any = REQUIRED, above: float | None = None) -> float:
+        """A finite number (`above`: greater than this)."""
+        v = self._value(key, default)
+        if not is_number(v):
+            self.fail(key, f"must be a finite number, got {show(v)}")
+        if above is not None and not v > above:
+            self.fail(key, f"must be > {above}, got {show(v)}")
+        return float(v)
+
+    def flag(self, key: str, default: bool) -> bool:
+        v = self._value(key, default)
+        if not isinstance(v, bool):
+            self.fail(key, f"must be true or false, got {show(v)}")
+        return v
+
+    def integers(self, key: str, n: int) -> list[int] | None:
+        """A list of layer indices (each in [0, n)), or None when absent."""
+        v = self.d.get(key)
+        if v is None:
+            return None
+        # type(i) is int: a bool is not a layer index
+        if not isinstance(v, list) or not all(type(i) is int and 0 <= i < n for i in v):
+            self.fail(key, f"must list layer indices in [0, {n}), got {show(v)}")
+        return v
 
 
 @dataclass(frozen=True)
@@ -74,6 +165,9 @@ class ModelSpec:
     dtype_bytes: int  # the checkpoint's parameter dtype (the engine itself computes in float32)
     states: dict[int, tuple[tuple[str, tuple[int, ...]], ...]] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    num_attention_heads: int = 0
+    layer_types: tuple[str, ...] = ()  # per layer, as config.json names it
+    where: str = field(default="config.json", compare=False)
 
     def layers_of(self, kind: str) -> list[int]:
         return [i for i, k in enumerate(self.layer_kinds) if k == kind]
@@ -85,98 +179,146 @@ class ModelSpec:
         """K and V of one token in one attention layer, in the checkpoint's dtype."""
         return 2 * self.num_key_value_heads * self.head_dim * self.dtype_bytes
 
+    def fields(self) -> Fields:
+        return Fields(self.raw, self.where)
+
 
 def read_config(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / "config.json"
     if not path.is_file():
-        raise ValueError(f"{path}: missing (a model directory needs config.json)")
+        raise CheckpointError(f"{path}: missing (a model directory needs config.json)")
     try:
         d = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        # ValueError: bad JSON, or an integer past Python's digit limit; RecursionError: nesting
+        raise CheckpointError(f"{path}: not valid JSON ({_first_line(exc)})") from None
     if not isinstance(d, dict):
-        raise ValueError(f"{path}: must hold a JSON object")
+        raise CheckpointError(f"{path}: must hold a JSON object")
     return d
 
 
-def is_hf_config(d: dict[str, Any]) -> bool:
-    """A config of one of the supported Hugging Face families (not kvreuse's own tiny model)."""
-    return d.get("model_type") in FAMILIES
-
-
-def _get(d: dict[str, Any], key: str, where: str, kind: type = int) -> Any:
-    if key not in d or d[key] is None:
-        raise ValueError(f"{where}: {key} is missing")
-    v = d[key]
-    if kind is int and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-        raise ValueError(f"{where}: {key} must be an int ≥ 1, got {v!r}")
-    return v
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0]
 
 
 def model_spec(d: dict[str, Any], where: str = "config.json") -> ModelSpec:
-    """The spec of a supported family's config (ValueError naming the key otherwise)."""
+    """The spec of a supported family's config (CheckpointError naming the field otherwise)."""
     mt = d.get("model_type")
-    if mt not in FAMILIES:
-        raise ValueError(
-            f"{where}: model_type {mt!r} is not supported; supported: {sorted(FAMILIES)} "
+    if not isinstance(mt, str) or mt not in FAMILIES:
+        raise CheckpointError(
+            f"{where}: model_type {show(mt)} is not supported; supported: {sorted(FAMILIES)} "
             "(or kvreuse's own 'kvreuse-tiny')"
         )
+    f = Fields(d, where)
     family = FAMILIES[mt]
-    n = _get(d, "num_hidden_layers", where)
-    types = d.get("layer_types") or d.get("layers_block_type")
-    if not isinstance(types, list) or len(types) != n:
-        raise ValueError(f"{where}: layer_types must list {n} layer types, got {types!r}")
-    table = LAYER_TYPES[family]
-    bad = sorted({t for t in types if t not in table})
-    if bad:
-        raise ValueError(f"{where}: unknown layer_types {bad}; {mt} allows {sorted(table)}")
-    hidden = _get(d, "hidden_size", where)
-    heads = _get(d, "num_attention_heads", where)
-    head_dim = d.get("head_dim") or hidden // heads
-    kinds = tuple(table[t][1] for t in types)
-    window = d.get("sliding_window") if "sliding" in kinds else None
-    if "sliding" in kinds and (not isinstance(window, int) or window < 2):
-        raise ValueError(f"{where}: sliding layers need sliding_window ≥ 2, got {window!r}")
-    dtype = str(d.get("dtype") or d.get("torch_dtype") or "float32")
+    n = f.integer("num_hidden_layers", hi=MAX_LAYERS)
+    types = _layer_types(f, family, n)
+    hidden = f.integer("hidden_size")
+    heads = f.integer("num_attention_heads")
+    # Granite derives its KV heads, Granite and LFM2 their head size; elsewhere transformers'
+    # defaults are its flagship model's sizes, which no other checkpoint can lean on
+    derived = family in ("granite", "lfm2")
+    kv = f.integer("num_key_value_heads", heads if family == "granite" else REQUIRED)
+    if heads % kv:
+        f.fail("num_key_value_heads", f"{kv} must divide num_attention_heads {heads}")
+    if derived and not f.has("head_dim") and hidden < heads:
+        f.fail("hidden_size", f"{hidden} is below num_attention_heads {heads} (no head_dim)")
+    head_dim = f.integer("head_dim", hidden // heads if derived else REQUIRED)
+    kinds = tuple(LAYER_TYPES[family][t][1] for t in types)
+    window = None
+    if "sliding" in kinds:
+        window = f.integer("sliding_window", lo=2)
+    dtype = d.get("dtype") or d.get("torch_dtype")
     spec = ModelSpec(
         model_type=mt,
         family=family,
         layer_kinds=kinds,
-        mixers=tuple(table[t][0] for t in types),
-        vocab_size=_get(d, "vocab_size", where),
+        mixers=tuple(LAYER_TYPES[family][t][0] for t in types),
+        vocab_size=f.integer("vocab_size"),
         hidden_size=hidden,
-        num_key_value_heads=d.get("num_key_value_heads") or heads,
+        num_key_value_heads=kv,
         head_dim=head_dim,
-        max_position_embeddings=_get(d, "max_position_embeddings", where),
+        max_position_embeddings=f.integer("max_position_embeddings"),
         sliding_window=window,
-        dtype_bytes=DTYPE_BYTES.get(dtype, 4),
+        dtype_bytes=DTYPE_BYTES.get(dtype, 4) if isinstance(dtype, str) else 4,
         raw=d,
+        num_attention_heads=heads,
+        layer_types=tuple(types),
+        where=where,
     )
+    parts: dict[str, tuple[tuple[str, tuple[int, ...]], ...]] = {}
     for i, mixer in enumerate(spec.mixers):
         if mixer != "attention":
-            spec.states[i] = _state_parts(mixer, d, hidden, where)
+            if mixer not in parts:  # every layer of a mixer has the same state: built once
+                parts[mixer] = _state_parts(mixer, f, hidden)
+            spec.states[i] = parts[mixer]
     return spec
 
 
-def _state_parts(
-    mixer: str, d: dict[str, Any], hidden: int, where: str
-) -> tuple[tuple[str, tuple[int, ...]], ...]:
+def _layer_types(f: Fields, family: str, n: int) -> list[str]:
+    """Each layer's type, as config.json lists it (`layer_types`, or Granite's older
+    `layers_block_type`) or, in configs written before `layer_types` existed, as `transformers`
+    derives it: Gemma 3 from `sliding_window_pattern`, Qwen3-Next from
+    `full_attention_interval`, LFM2 from `full_attn_idxs`, Granite all Mamba-2."""
+    table = LAYER_TYPES[family]
+    keys = [k for k in ("layer_types", "layers_block_type") if f.has(k)]
+    if keys:
+        types = f.d[keys[0]]
+        if not isinstance(types, list) or len(types) != n:
+            f.fail(keys[0], f"must list {n} layer types (num_hidden_layers), got {show(types)}")
+        bad = [t for t in types if not isinstance(t, str) or t not in table]
+        if bad:
+            raise CheckpointError(
+                f"{f.where}: unknown {keys[0]} {show(bad[0])}; {f.d['model_type']} allows "
+                f"{sorted(table)}"
+            )
+        if len(keys) == 2 and f.d["layers_block_type"] != types:
+            f.fail("layers_block_type", "disagrees with layer_types; keep one")
+        return types
+    if family == "gemma3":
+        key = "sliding_window_pattern"  # transformers 5 writes it with a leading underscore
+        every = f.integer(key if f.has(key) else f"_{key}", 6)
+        return ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
+    if family == "qwen3_next":
+        every = f.integer("full_attention_interval", 4)
+        return ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+    if family == "lfm2":
+        full = f.integers("full_attn_idxs", n)
+        full_set = set(range(n) if full is None else full)
+        return ["full_attention" if i in full_set else "conv" for i in range(n)]
+    return ["mamba"] * n
+
+
+def _state_parts(mixer: str, f: Fields, hidden: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """The parts of one recurrent layer's state: a conv window of the last k−1 conv inputs
     (always), then the SSM or delta-rule matrix where the mixer has one."""
     if mixer == "mamba2":
-        heads, groups = _get(d, "mamba_n_heads", where), _get(d, "mamba_n_groups", where)
-        d_state, k = _get(d, "mamba_d_state", where), _get(d, "mamba_d_conv", where)
-        inner = int(_get(d, "mamba_expand", where) * hidden)
-        d_head = d.get("mamba_d_head")
-        d_head = inner // heads if d_head in (None, "auto") else int(d_head)
+        heads, groups = f.integer("mamba_n_heads"), f.integer("mamba_n_groups")
+        d_state, k = f.integer("mamba_d_state"), f.integer("mamba_d_conv", lo=2)
+        inner = f.integer("mamba_expand") * hidden
+        if inner % heads or heads % groups:
+            f.fail(
+                "mamba_n_heads",
+                f"{heads} must divide mamba_expand × hidden_size ({inner}) "
+                f"and be a multiple of mamba_n_groups ({groups})",
+            )
+        d_head = inner // heads
+        if f.d.get("mamba_d_head") not in (None, "auto", d_head):
+            f.fail(
+                "mamba_d_head",
+                f"is {show(f.d['mamba_d_head'])} but mamba_expand × hidden_size / mamba_n_heads "
+                f"is {d_head}",
+            )
         conv_dim = inner + 2 * groups * d_state
         return (("conv", (k - 1, conv_dim)), ("ssm", (heads, d_state, d_head)))
     if mixer == "short_conv":
-        return (("conv", (_get(d, "conv_L_cache", where) - 1, hidden)),)
+        return (("conv", (f.integer("conv_L_cache", lo=2) - 1, hidden)),)
     # gated DeltaNet
-    hk, hv = _get(d, "linear_num_key_heads", where), _get(d, "linear_num_value_heads", where)
-    dk, dv = _get(d, "linear_key_head_dim", where), _get(d, "linear_value_head_dim", where)
-    k = _get(d, "linear_conv_kernel_dim", where)
+    hk, hv = f.integer("linear_num_key_heads"), f.integer("linear_num_value_heads")
+    if hv % hk:
+        f.fail("linear_num_value_heads", f"{hv} must be a multiple of linear_num_key_heads {hk}")
+    dk, dv = f.integer("linear_key_head_dim"), f.integer("linear_value_head_dim")
+    k = f.integer("linear_conv_kernel_dim", lo=2)
     return (("conv", (k - 1, 2 * hk * dk + hv * dv)), ("matrix", (hv, dk, dv)))
 
 
@@ -245,7 +387,7 @@ def model_geometry(directory: Path, opts: GeometryOptions | None = None) -> str:
     try:
         spec = read_model_spec(directory)
     except ValueError as exc:
-        raise ValueError(
+        raise CheckpointError(
             f"{directory}: not a model directory kvreuse can derive a geometry from: {exc}"
         ) from None
     return geometry_toml(spec, opts, directory.name)

@@ -155,9 +155,12 @@ def _bytes_to_unicode() -> list[str]:
     return [chr(table[b]) for b in range(256)]
 
 
-def build(family: str, directory: Path, seed: int = 0) -> Any:
-    """Write the family's tiny checkpoint to `directory`; return the `transformers` model."""
+def build(family: str, directory: Path, seed: int = 0, **overrides: Any) -> Any:
+    """Write the family's tiny checkpoint to `directory`; return the `transformers` model.
+    `overrides` set config attributes first (e.g. a `rope_parameters` of another rope type)."""
     cfg, cls = configs()[family]
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
     torch.manual_seed(seed)
     model = cls(cfg).eval()
     _redraw(model, seed)

@@ -1,7 +1,7 @@
 """Save and load a model directory: `config.json` + `model.safetensors` (HF layout).
 
 Loading checks the file against the config: every expected tensor present, none extra, exact
-shapes, float dtype; each failure is a ValueError naming the file and the tensor.
+shapes, float dtype, finite values; each failure is a ValueError naming the file and the tensor.
 """
 
 from __future__ import annotations
@@ -72,3 +72,12 @@ def check_weights(
             )
         if not t.is_floating_point():
             raise ValueError(f"{where}: tensor {name} has dtype {t.dtype}; expected a float type")
+    check_finite(weights, where)
+
+
+def check_finite(weights: dict[str, torch.Tensor], where: str) -> None:
+    """Every weight is a finite number: a NaN or an infinity would poison every logit it
+    reaches, so it is refused at load rather than found in the first request's output."""
+    for name, t in weights.items():
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{where}: tensor {name} holds NaN or infinite values")

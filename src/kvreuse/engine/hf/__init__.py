@@ -5,11 +5,20 @@ attention), each layer written here in plain torch and checked against `transfor
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 
-from kvreuse.engine.checkpoint import check_weights
-from kvreuse.engine.hf.base import Family, HFModel, load_weights
-from kvreuse.hfconfig import is_hf_config, model_spec, read_config
+from kvreuse.engine.checkpoint import check_finite
+from kvreuse.engine.config import MODEL_TYPE, ModelConfig
+from kvreuse.engine.hf.base import (
+    Family,
+    HFModel,
+    check_header,
+    load_weights,
+    read_headers,
+    weight_files,
+)
+from kvreuse.hfconfig import CheckpointError, model_spec, read_config
 
 
 def _family(name: str) -> type[Family]:
@@ -31,22 +40,37 @@ def _family(name: str) -> type[Family]:
 
 
 def is_hf_model_dir(directory: str | Path) -> bool:
-    """A directory whose config.json names a supported Hugging Face family."""
+    """A directory whose config.json is not kvreuse's own tiny model's (model_type
+    'kvreuse-tiny', or no model_type and only the tiny model's fields): a Hugging Face
+    checkpoint, which loads as a supported family or is refused naming its model_type."""
     path = Path(directory)
-    return (path / "config.json").is_file() and is_hf_config(read_config(path))
+    if not (path / "config.json").is_file():
+        return False
+    d = read_config(path)
+    if "model_type" in d:
+        return bool(d["model_type"] != MODEL_TYPE)
+    return not set(d) <= {f.name for f in fields(ModelConfig)}
 
 
 def load_hf_model(directory: str | Path) -> HFModel:
-    """Read config.json and the safetensors weights of a supported family (ValueError naming
-    the file and the key or tensor otherwise)."""
+    """Read config.json and the safetensors weights of a supported family, or refuse them with
+    one line (CheckpointError, a ValueError) naming the file and the field or tensor.
+
+    Everything is checked at load, in an order that allocates nothing a config merely claims:
+    the config's fields (every one that changes the forward, `Family.read`), then the tensors it
+    implies against the weight files' headers (names, shapes, dtypes; no data read), then the
+    tensors themselves (finite values)."""
     path = Path(directory)
     spec = model_spec(read_config(path), str(path / "config.json"))
-    weights = load_weights(path)
-    family = _family(spec.family)(spec, weights)
-    if family.tied():
+    family = _family(spec.family)(spec)
+    files = weight_files(path)
+    check_header(family, read_headers(files), str(path))
+    weights = load_weights(files)
+    if family.tie:
         weights.pop("lm_head.weight", None)  # some checkpoints store the tied copy too
-    check_weights(family.shapes(), weights, str(path))
+    check_finite(weights, str(path))
+    family.w = weights
     return HFModel(spec, family, path.name)
 
 
-__all__ = ["HFModel", "is_hf_model_dir", "load_hf_model"]
+__all__ = ["CheckpointError", "HFModel", "is_hf_model_dir", "load_hf_model"]

@@ -13,63 +13,70 @@ the core's sliding group of window W.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvreuse.engine.hf.base import Family, attention_shapes
-from kvreuse.engine.hf.ops import apply_rope, attend, rms_norm, rope_tables
+from kvreuse.engine.hf.base import Family, Want, attention_shapes, choice, rotary_dim
+from kvreuse.engine.hf.ops import RopeDefaults, apply_rope, attend, read_rope, rms_norm, rope_tables
 from kvreuse.engine.model import Context
-from kvreuse.hfconfig import ModelSpec
+from kvreuse.hfconfig import Fields
 
-ROPE_TYPES = ("default", "linear")
+# Gemma 3's RoPE: full attention 10⁶ (transformers 4: `rope_theta`, scaled by `rope_scaling`),
+# sliding attention 10⁴ (transformers 4: `rope_local_base_freq`, never scaled)
+ROPE = RopeDefaults(
+    {"full_attention": (1e6, "rope_theta"), "sliding_attention": (1e4, "rope_local_base_freq")}
+)
+
+# Fields of Gemma3TextConfig and what becomes of each (besides those of Family and ModelSpec):
+#   read: rms_norm_eps, intermediate_size, attention_bias, query_pre_attn_scalar,
+#     final_logit_softcapping, the RoPE (see ROPE), tie_word_embeddings (default true)
+#   refused unless the default: hidden_activation (gelu_pytorch_tanh), attn_logit_softcapping
+#     (null: the paged attention has no score capping), use_bidirectional_attention (false)
 
 
 class Gemma3(Family):
-    def __init__(self, spec: ModelSpec, w: dict[str, Tensor]) -> None:
-        super().__init__(spec, w)
-        if self.c.get("attn_logit_softcapping") is not None:
-            raise ValueError(
-                "config.json: attn_logit_softcapping is set; the engine supports Gemma 3's "
-                "attention without score soft-capping (null), as Gemma 3 checkpoints have it"
+    TIED_DEFAULT = True
+    STRUCTURE = "num_hidden_layers, attention_bias, tie_word_embeddings"
+
+    def read(self, f: Fields) -> None:
+        choice(f, "hidden_activation", "gelu_pytorch_tanh", ("gelu_pytorch_tanh",), " (GeGLU)")
+        if f.has("attn_logit_softcapping"):
+            f.fail(
+                "attn_logit_softcapping",
+                "is set; the engine's attention does not soft-cap scores (null only)",
             )
-        if self.c.get("use_bidirectional_attention"):
-            raise ValueError("config.json: use_bidirectional_attention must be false (causal)")
-        for kind, rope in self._rope_params().items():
-            if rope.get("rope_type", "default") not in ROPE_TYPES:
-                raise ValueError(
-                    f"config.json: rope_parameters[{kind!r}] has rope_type "
-                    f"{rope.get('rope_type')!r}; supported: {list(ROPE_TYPES)}"
-                )
+        choice(f, "use_bidirectional_attention", False, (False,), " (the engine is causal)")
+        self.eps = f.number("rms_norm_eps", 1e-6, above=0)
+        self.ff = f.integer("intermediate_size")
+        self.bias = f.flag("attention_bias", False)
+        self.scale = f.number("query_pre_attn_scalar", 256, above=0) ** -0.5
+        cap = "final_logit_softcapping"
+        self.cap = f.number(cap, above=0) if f.has(cap) else None
+        self.rope = read_rope(f, ROPE)
+        for rope in self.rope.values():
+            rotary_dim(f, self.spec.head_dim, rope.fraction)
 
-    def _rope_params(self) -> dict[str, dict[str, Any]]:
-        rope = self.c.get("rope_parameters") or {}
-        return {
-            "full_attention": dict(rope.get("full_attention") or {"rope_theta": 1e6}),
-            "sliding_attention": dict(rope.get("sliding_attention") or {"rope_theta": 1e4}),
-        }
-
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        c, s = self.c, self.spec
-        d, hd, m = s.hidden_size, s.head_dim, c["intermediate_size"]
-        nh, nkv = c["num_attention_heads"], s.num_key_value_heads
-        out = {**self.head_shapes(), "model.norm.weight": (d,)}
+    def shapes(self) -> Iterator[Want]:
+        s = self.spec
+        d, hd, m = s.hidden_size, s.head_dim, self.ff
+        yield from self.head_shapes()
+        yield "model.norm.weight", (d,), "hidden_size"
         for i in range(len(s.layer_kinds)):
             p = f"model.layers.{i}"
             for norm in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
-                out[f"{p}.{norm}_layernorm.weight"] = (d,)
-            heads = (nh, nkv, hd)
-            bias = bool(c.get("attention_bias"))
-            out.update(attention_shapes(f"{p}.self_attn", d, heads, bias=bias))
-            out[f"{p}.mlp.gate_proj.weight"] = (m, d)
-            out[f"{p}.mlp.up_proj.weight"] = (m, d)
-            out[f"{p}.mlp.down_proj.weight"] = (d, m)
-        return out
+                yield f"{p}.{norm}_layernorm.weight", (d,), "hidden_size"
+            heads = (s.num_attention_heads, s.num_key_value_heads, hd)
+            yield from attention_shapes(f"{p}.self_attn", d, heads, bias=self.bias)
+            why = "hidden_size, intermediate_size"
+            yield f"{p}.mlp.gate_proj.weight", (m, d), why
+            yield f"{p}.mlp.up_proj.weight", (m, d), why
+            yield f"{p}.mlp.down_proj.weight", (d, m), why
 
     def _norm(self, name: str, x: Tensor) -> Tensor:
-        return rms_norm(x, self.w[name], self.c["rms_norm_eps"], offset=1.0)
+        return rms_norm(x, self.w[name], self.eps, offset=1.0)
 
     def embed(self, ids: Tensor) -> Tensor:
         # the reference stores √hidden as a float32 tensor before multiplying
@@ -91,8 +98,7 @@ class Gemma3(Family):
 
     def logits(self, h: Tensor) -> Tensor:
         z = super().logits(h)
-        cap = self.c.get("final_logit_softcapping")
-        return z if cap is None else torch.tanh(z / cap) * cap
+        return z if self.cap is None else torch.tanh(z / self.cap) * self.cap
 
     def _attention(self, i: int, h: Tensor, pos: Tensor, ctx: Context) -> Tensor:
         p, n, hd = f"model.layers.{i}.self_attn", h.shape[0], self.spec.head_dim
@@ -100,11 +106,9 @@ class Gemma3(Family):
         q = self._norm(f"{p}.q_norm.weight", self._linear(f"{p}.q_proj", h).view(n, -1, hd))
         k = self._norm(f"{p}.k_norm.weight", self._linear(f"{p}.k_proj", h).view(n, -1, hd))
         v = self._linear(f"{p}.v_proj", h).view(n, -1, hd)
-        rope = self._rope_params()["sliding_attention" if sliding else "full_attention"]
-        factor = float(rope.get("factor", 1.0)) if rope.get("rope_type") == "linear" else 1.0
-        angles = rope_tables(pos, hd, float(rope["rope_theta"]), factor)
+        rope = self.rope["sliding_attention" if sliding else "full_attention"]
+        angles = rope_tables(pos, hd, rope.theta, rope.factor)
         q, k = apply_rope(q, angles), apply_rope(k, angles)
         window = self.spec.sliding_window if sliding else None
-        scale = float(self.c["query_pre_attn_scalar"]) ** -0.5
-        o = attend(ctx, f"layers.{i}", q, k, v, window, scale)
+        o = attend(ctx, f"layers.{i}", q, k, v, window, self.scale)
         return self._linear(f"{p}.o_proj", o.reshape(n, -1))

@@ -19,17 +19,21 @@ multiplied by sigmoid(gate) before o_proj.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvreuse.engine.hf.base import Family, attention_shapes
+from kvreuse.engine.hf.base import Family, Want, attention_shapes, rotary_dim, silu_only
 from kvreuse.engine.hf.ops import (
+    RopeDefaults,
     apply_rope,
     attend,
     causal_conv,
     gated_rms_norm,
     join_state,
+    read_rope,
     rms_norm,
     rope_tables,
     routed_experts,
@@ -37,76 +41,109 @@ from kvreuse.engine.hf.ops import (
     split_state,
 )
 from kvreuse.engine.model import Context
+from kvreuse.hfconfig import Fields
+
+# Fields of Qwen3NextConfig and what becomes of each (besides those of Family and ModelSpec,
+# which reads the linear_* sizes, and full_attention_interval where layer_types is absent):
+#   read: rms_norm_eps, attention_bias, num_experts, decoder_sparse_step, mlp_only_layers
+#     (which layers are sparse), num_experts_per_tok, norm_topk_prob, moe_intermediate_size,
+#     shared_expert_intermediate_size (sparse layers), intermediate_size (dense layers), the
+#     RoPE (rope_parameters, or rope_theta / rope_scaling / partial_rotary_factor; a quarter of
+#     each head rotates by default), tie_word_embeddings (default false)
+#   refused unless the default: hidden_act (silu)
+#   ignored: output_router_logits, router_aux_loss_coef (the training loss)
+ROPE = RopeDefaults({"": (1e4, "rope_theta")}, fraction=0.25)
 
 
 class Qwen3Next(Family):
-    def _dims(self) -> tuple[int, int, int, int, int]:
-        c = self.c
-        return (
-            c["linear_num_key_heads"],
-            c["linear_num_value_heads"],
-            c["linear_key_head_dim"],
-            c["linear_value_head_dim"],
-            c["linear_conv_kernel_dim"],
-        )
+    STRUCTURE = (
+        "num_hidden_layers, layer_types, num_experts, decoder_sparse_step, mlp_only_layers, "
+        "attention_bias, tie_word_embeddings"
+    )
 
-    def _sparse(self, i: int) -> bool:
-        c = self.c
-        return (
-            i not in (c.get("mlp_only_layers") or [])
-            and c.get("num_experts", 0) > 0
-            and (i + 1) % c.get("decoder_sparse_step", 1) == 0
-        )
+    def read(self, f: Fields) -> None:
+        silu_only(f)
+        n = len(self.spec.layer_kinds)
+        self.eps = f.number("rms_norm_eps", 1e-6, above=0)
+        self.bias = f.flag("attention_bias", False)
+        experts = f.integer("num_experts", lo=0)
+        step = f.integer("decoder_sparse_step", 1)
+        dense_only = set(f.integers("mlp_only_layers", n) or ())
+        self.sparse = [
+            i not in dense_only and experts > 0 and (i + 1) % step == 0 for i in range(n)
+        ]
+        self.experts = experts
+        if any(self.sparse):
+            self.top_k = f.integer("num_experts_per_tok", 10, hi=experts)
+            self.norm_topk = f.flag("norm_topk_prob", True)
+            self.expert_ff = f.integer("moe_intermediate_size")
+            self.shared_ff = f.integer("shared_expert_intermediate_size")
+        if not all(self.sparse):
+            self.ff = f.integer("intermediate_size")
+        self.rope = read_rope(f, ROPE)[""]
+        self.rotary = rotary_dim(f, self.spec.head_dim, self.rope.fraction)
+        if "gated_deltanet" in self.spec.mixers:  # sizes ModelSpec has checked
+            self.dims = (
+                f.integer("linear_num_key_heads"),
+                f.integer("linear_num_value_heads"),
+                f.integer("linear_key_head_dim"),
+                f.integer("linear_value_head_dim"),
+                f.integer("linear_conv_kernel_dim"),
+            )
 
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        c, s = self.c, self.spec
+    def shapes(self) -> Iterator[Want]:
+        s = self.spec
         d, hd = s.hidden_size, s.head_dim
-        nh, nkv = c["num_attention_heads"], s.num_key_value_heads
-        hk, hv, dk, dv, k = self._dims()
-        out = {**self.head_shapes(), "model.norm.weight": (d,)}
+        yield from self.head_shapes()
+        yield "model.norm.weight", (d,), "hidden_size"
         for i, mixer in enumerate(s.mixers):
             p = f"model.layers.{i}"
-            out[f"{p}.input_layernorm.weight"] = (d,)
-            out[f"{p}.post_attention_layernorm.weight"] = (d,)
+            yield f"{p}.input_layernorm.weight", (d,), "hidden_size"
+            yield f"{p}.post_attention_layernorm.weight", (d,), "hidden_size"
             if mixer == "gated_deltanet":
-                a = f"{p}.linear_attn"
-                out[f"{a}.in_proj_qkvz.weight"] = (2 * hk * dk + 2 * hv * dv, d)
-                out[f"{a}.in_proj_ba.weight"] = (2 * hv, d)
-                out[f"{a}.conv1d.weight"] = (2 * hk * dk + hv * dv, 1, k)
-                out[f"{a}.dt_bias"] = (hv,)
-                out[f"{a}.A_log"] = (hv,)
-                out[f"{a}.norm.weight"] = (dv,)
-                out[f"{a}.out_proj.weight"] = (d, hv * dv)
+                yield from self._deltanet_shapes(f"{p}.linear_attn")
             else:
-                bias = bool(c.get("attention_bias"))
-                heads = (nh, nkv, hd)
-                out.update(attention_shapes(f"{p}.self_attn", d, heads, gated=True, bias=bias))
-            out.update(self._ffn_shapes(i, f"{p}.mlp"))
-        return out
+                heads = (s.num_attention_heads, s.num_key_value_heads, hd)
+                a = f"{p}.self_attn"
+                yield from attention_shapes(a, d, heads, gated=True, bias=self.bias)
+            yield from self._ffn_shapes(i, f"{p}.mlp")
 
-    def _ffn_shapes(self, i: int, m: str) -> dict[str, tuple[int, ...]]:
-        c, d = self.c, self.spec.hidden_size
+    def _deltanet_shapes(self, a: str) -> Iterator[Want]:
+        d = self.spec.hidden_size
+        hk, hv, dk, dv, k = self.dims
+        why = "linear_num_key_heads, linear_num_value_heads, linear_key_head_dim, "
+        why += "linear_value_head_dim"
+        yield f"{a}.in_proj_qkvz.weight", (2 * hk * dk + 2 * hv * dv, d), f"hidden_size, {why}"
+        yield f"{a}.in_proj_ba.weight", (2 * hv, d), "hidden_size, linear_num_value_heads"
+        yield f"{a}.conv1d.weight", (2 * hk * dk + hv * dv, 1, k), f"{why}, linear_conv_kernel_dim"
+        yield f"{a}.dt_bias", (hv,), "linear_num_value_heads"
+        yield f"{a}.A_log", (hv,), "linear_num_value_heads"
+        yield f"{a}.norm.weight", (dv,), "linear_value_head_dim"
+        yield f"{a}.out_proj.weight", (d, hv * dv), f"hidden_size, {why}"
 
-        def mlp(prefix: str, size: int) -> dict[str, tuple[int, ...]]:
-            return {
-                f"{prefix}.gate_proj.weight": (size, d),
-                f"{prefix}.up_proj.weight": (size, d),
-                f"{prefix}.down_proj.weight": (d, size),
-            }
+    def _ffn_shapes(self, i: int, m: str) -> Iterator[Want]:
+        d = self.spec.hidden_size
 
-        if not self._sparse(i):
-            return mlp(m, c["intermediate_size"])
-        out: dict[str, tuple[int, ...]] = {
-            f"{m}.gate.weight": (c["num_experts"], d),
-            f"{m}.shared_expert_gate.weight": (1, d),
-        }
-        out.update(mlp(f"{m}.shared_expert", c["shared_expert_intermediate_size"]))
-        for e in range(c["num_experts"]):
-            out.update(mlp(f"{m}.experts.{e}", c["moe_intermediate_size"]))
-        return out
+        def mlp(prefix: str, size: int, why: str) -> Iterator[Want]:
+            yield f"{prefix}.gate_proj.weight", (size, d), f"hidden_size, {why}"
+            yield f"{prefix}.up_proj.weight", (size, d), f"hidden_size, {why}"
+            yield f"{prefix}.down_proj.weight", (d, size), f"hidden_size, {why}"
+
+        # which layers are sparse follows num_experts, decoder_sparse_step and mlp_only_layers
+        which = "num_experts, decoder_sparse_step, mlp_only_layers"
+        if not self.sparse[i]:
+            yield from mlp(m, self.ff, f"intermediate_size (a dense layer: {which})")
+            return
+        yield f"{m}.gate.weight", (self.experts, d), f"hidden_size ({which})"
+        yield f"{m}.shared_expert_gate.weight", (1, d), f"hidden_size ({which})"
+        yield from mlp(
+            f"{m}.shared_expert", self.shared_ff, f"shared_expert_intermediate_size ({which})"
+        )
+        for e in range(self.experts):
+            yield from mlp(f"{m}.experts.{e}", self.expert_ff, f"moe_intermediate_size ({which})")
 
     def _norm(self, name: str, x: Tensor) -> Tensor:
-        return rms_norm(x, self.w[name], self.c["rms_norm_eps"], offset=1.0)
+        return rms_norm(x, self.w[name], self.eps, offset=1.0)
 
     def layer(self, i: int, x: Tensor, pos: Tensor, ctx: Context) -> Tensor:
         p = f"model.layers.{i}"
@@ -132,16 +169,16 @@ class Qwen3Next(Family):
 
     def _ffn(self, i: int, h: Tensor) -> Tensor:
         m = f"model.layers.{i}.mlp"
-        if not self._sparse(i):
+        if not self.sparse[i]:
             return self._mlp(m, h)
         probs = torch.softmax(h @ self.w[f"{m}.gate.weight"].T, dim=-1)
-        top, index = probs.topk(self.c["num_experts_per_tok"], dim=-1)
-        if self.c.get("norm_topk_prob", True):
+        top, index = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk:
             top = top / top.sum(dim=-1, keepdim=True)
         w = self.w
         experts = [
             (w[f"{x}.gate_proj.weight"], w[f"{x}.up_proj.weight"], w[f"{x}.down_proj.weight"])
-            for x in (f"{m}.experts.{e}" for e in range(self.c["num_experts"]))
+            for x in (f"{m}.experts.{e}" for e in range(self.experts))
         ]
         out = routed_experts(h, index, top, experts)
         shared = torch.sigmoid(h @ self.w[f"{m}.shared_expert_gate.weight"].T)
@@ -153,9 +190,7 @@ class Qwen3Next(Family):
         q = self._norm(f"{p}.q_norm.weight", q)
         k = self._norm(f"{p}.k_norm.weight", self._linear(f"{p}.k_proj", h).view(n, -1, hd))
         v = self._linear(f"{p}.v_proj", h).view(n, -1, hd)
-        rope = self.c.get("rope_parameters") or {}
-        rotary = int(hd * float(rope.get("partial_rotary_factor", 1.0)))
-        angles = rope_tables(pos, rotary, float(rope.get("rope_theta", 10000.0)))
+        angles = rope_tables(pos, self.rotary, self.rope.theta, self.rope.factor)
         q, k = apply_rope(q, angles), apply_rope(k, angles)
         o = attend(ctx, f"layers.{i}", q, k, v, None, hd**-0.5).reshape(n, -1)
         return self._linear(f"{p}.o_proj", o * torch.sigmoid(gate.reshape(n, -1)))
@@ -164,7 +199,7 @@ class Qwen3Next(Family):
         self, i: int, h: Tensor, s0: Tensor | None, want: set[int]
     ) -> tuple[Tensor, dict[int, Tensor]]:
         p, n = f"model.layers.{i}.linear_attn", h.shape[0]
-        hk, hv, dk, dv, _ = self._dims()
+        hk, hv, dk, dv, _ = self.dims
         r = hv // hk
         window, state = split_state(s0, self.spec.states[i])
         qkvz = (h @ self.w[f"{p}.in_proj_qkvz.weight"].T).view(n, hk, 2 * dk + 2 * r * dv)
@@ -179,9 +214,7 @@ class Qwen3Next(Family):
         beta = torch.sigmoid(b.reshape(n, hv))
         g = -torch.exp(self.w[f"{p}.A_log"]) * F.softplus(a.reshape(n, hv) + self.w[f"{p}.dt_bias"])
         out, states = _delta_rule(q, k, v, g, beta, state.clone(), want)
-        o = gated_rms_norm(
-            out, z.reshape(n, hv, dv), self.w[f"{p}.norm.weight"], self.c["rms_norm_eps"], False
-        )
+        o = gated_rms_norm(out, z.reshape(n, hv, dv), self.w[f"{p}.norm.weight"], self.eps, False)
         y = o.reshape(n, -1) @ self.w[f"{p}.out_proj.weight"].T
         return y, {t: join_state(windows[t], states[t]) for t in want}
 
