@@ -33,10 +33,12 @@ mirror is cleared, exact if it is 0), a number ahead for a loss.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
 from collections import OrderedDict
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import zmq
@@ -97,6 +99,7 @@ class ReplicaStream:
     paused_until: float = 0.0  # poll() leaves a replay that did not answer alone until then
     check_from: int | None = None  # the earliest applied batch a live one contradicted
     curve: tuple[str, KeyPair] | None = None  # the publisher's public key, our client pair
+    check_requests: int = 0  # checks asked for from outside (`request_check`)
 
     @property
     def exact(self) -> bool:
@@ -145,34 +148,65 @@ class ReplicaStream:
         return int(self._apply(seq, payload))
 
     # ------------------------------------------------------------------ replay checks
-    def check(self) -> int:
+    def request_check(self) -> None:
+        """Check the stream through the replay at the next chance (it may have restarted); a
+        check under way when this is asked keeps the stream suspect."""
+        self.suspect = True
+        self.check_requests += 1
+
+    def check(self, hold: AbstractContextManager[object] | None = None) -> int:
         """Check the stream against the replay and apply what it holds past the anchor;
         returns batches applied. A replay that does not answer, or is busy, leaves the stream
-        as it was (still suspect, if it was)."""
+        as it was (still suspect, if it was).
+
+        `hold` (a lock) is held for everything but the waits for the replay's answers, so a
+        reader that takes it (a router reading the mirror) never waits for the network. The
+        caller keeps live batches of this stream out until the check returns: an answer is
+        read against the position the stream had when it was asked."""
+        hold = hold if hold is not None else contextlib.nullcontext()
+        with hold:
+            requests = self.check_requests
         applied, rebuilt = 0, False
         for _ in range(MAX_CHECK_ROUNDS):
-            anchor = self.next_seq - 1
-            if self.check_from is not None:
-                anchor = min(anchor, self.check_from)
+            with hold:
+                anchor = self.next_seq - 1
+                if self.check_from is not None:
+                    anchor = min(anchor, self.check_from)
             answer = self.ask(max(anchor, 0))
-            if answer is None or (answer.note is not None and answer.note.busy):
-                self.paused_until = time.monotonic() + NO_ANSWER_PAUSE_S
-                return applied
-            if not self._continues(answer, anchor):
-                if rebuilt:  # not even batch 0 on: give up until the next check
-                    self.lost = True
-                    break
-                self._rebuild()
-                rebuilt = True
-                continue
-            if answer.note is not None:
-                self.instance = answer.note.instance
-            applied += self._apply_run(answer.batches)
-            if answer.note is None or self.next_seq >= answer.note.next_seq:
+            with hold:
+                step = self._take_answer(answer, anchor, rebuilt)
+                if step is None:
+                    return applied
+                more, rebuilt, count = step
+                applied += count
+            if not more:
                 break
-        self.suspect, self.check_from = False, None
-        self._settle_held()
+        with hold:
+            # a check asked for meanwhile (another incarnation named) is still owed
+            self.suspect = self.check_requests != requests
+            self.check_from = None
+            self._settle_held()
         return applied
+
+    def _take_answer(
+        self, answer: Answer | None, anchor: int, rebuilt: bool
+    ) -> tuple[bool, bool, int] | None:
+        """One replay answer: (ask again, rebuilt, batches applied), or None when there was
+        no usable answer (the stream stays as it was)."""
+        if answer is None or (answer.note is not None and answer.note.busy):
+            self.paused_until = time.monotonic() + NO_ANSWER_PAUSE_S
+            return None
+        if not self._continues(answer, anchor):
+            if rebuilt:  # not even batch 0 on: give up until the next check
+                self.lost = True
+                return False, True, 0
+            self._rebuild()
+            return True, True, 0
+        if answer.note is not None:
+            self.instance = answer.note.instance
+        applied = self._apply_run(answer.batches)
+        more = answer.note is not None and self.next_seq < answer.note.next_seq
+        return more, rebuilt, applied
 
     def _continues(self, answer: Answer, anchor: int) -> bool:
         """Whether the answer continues the stream followed: the same incarnation, no fewer
@@ -200,6 +234,17 @@ class ReplicaStream:
         self.num_restarts += 1
         self.error(f"the replica's stream no longer continues batch {self.next_seq - 1}: rebuilt")
         self._reset()
+
+    def restart(self) -> None:
+        """The publisher is known to be a new process: start again from batch 0 at once,
+        suspect until the replay confirms the new incarnation (its batches received meanwhile
+        are checked then)."""
+        self.num_restarts += 1
+        self._reset()
+        self.held.clear()
+        if self.replay is not None:  # without one there is nothing to check against
+            self.request_check()
+            self.paused_until = 0.0
 
     def _settle_held(self) -> None:
         """Live batches dropped before the check: those the publisher never sent are rejected."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 
 import zmq
 
@@ -119,9 +120,10 @@ class Subscriber:
             raise KeyError(f"unknown replica {name!r}; followed: {sorted(self._streams)}")
         return self._streams[name]
 
-    def poll(self, timeout_ms: int = 0) -> int:
+    def poll(self, timeout_ms: int = 0, *, check: bool = True) -> int:
         """Apply every batch that has arrived (waiting up to `timeout_ms` for the first), then
-        check through the replay every stream that received something it could not place."""
+        check through the replay every stream that received something it could not place
+        (unless `check` is false: a caller that checks them itself, outside its lock)."""
         applied = 0
         ready = dict(self._poller.poll(timeout_ms))
         while ready:
@@ -134,39 +136,50 @@ class Subscriber:
                         break
                     applied += stream.receive(frames)
             ready = dict(self._poller.poll(0))
+        if not check:
+            return applied
         now = time.monotonic()
         for stream in self._streams.values():
             if stream.suspect and stream.replay is not None and now >= stream.paused_until:
                 applied += stream.check()
         return applied
 
-    def catch_up(self, name: str) -> int:
+    def catch_up(self, name: str, hold: AbstractContextManager[object] | None = None) -> int:
         """Check the replica's stream through its replay and apply every batch past the last
         one applied.
 
         PUB/SUB reveals a loss only when a later batch arrives, and a restarted replica that
         has published nothing yet shows nothing at all: a router that has seen nothing for a
         while (or has just connected: a subscription takes a moment to reach the publisher)
-        calls this. Returns batches applied.
+        calls this. Returns batches applied. `hold`: a lock held for all but the waits for
+        the replay (`ReplicaStream.check`).
         """
         stream = self.stream(name)
         if stream.replay is None:
             raise ValueError(f"replica {name!r} has no replay endpoint to catch up from")
-        return stream.check()
+        return stream.check(hold)
 
     def expect_instance(self, name: str, instance: str) -> None:
         """The replica says (on its health check, in a response) which incarnation it is: when
         that is not the one followed, the stream is suspect until the next check rebuilds it."""
         stream = self.stream(name)
         if stream.instance != instance:
-            stream.suspect = True
+            stream.request_check()
 
     def recheck(self, name: str) -> None:
         """Check the replica's stream through its replay at the next poll (a replica that was
         unreachable may have restarted meanwhile)."""
         stream = self.stream(name)
         if stream.replay is not None:
-            stream.suspect, stream.paused_until = True, 0.0
+            stream.request_check()
+            stream.paused_until = 0.0
+
+    def restarted(self, name: str) -> None:
+        """The replica's process was replaced (its supervisor says so): what the mirror holds
+        is gone with the old process, and the new one numbers its batches from 0. The mirror
+        is emptied and follows the new process from its first batch, checked through the
+        replay before it counts as exact."""
+        self.stream(name).restart()
 
     def close(self) -> None:
         for stream in self._streams.values():

@@ -1,5 +1,6 @@
-"""`kvreuse fleet` (N local `kvreuse serve` replicas and the routing front) and `kvreuse route`
-(the front over replicas started elsewhere). docs/fleet-serving.md has the guide.
+"""`kvreuse fleet` (N local `kvreuse serve` replicas, restarted when they exit, and the routing
+front) and `kvreuse route` (the front over replicas started elsewhere). docs/fleet-serving.md
+has the guide.
 
     kvreuse fleet --replicas 3 [--policy exact] [--geometry G] [--port 8000] [--fake] [-- SERVE…]
     kvreuse route --replica URL,EVENTS[,REPLAY[,KEY]] … [--geometry G] [--policy exact]
@@ -13,6 +14,7 @@ while the replicas start); 2 for a usage error or replicas that could not be sta
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 from collections.abc import Sequence
@@ -23,6 +25,7 @@ from typing import Any
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT, POLICIES
 from kvreuse.fleet.serving.deadlines import Deadlines
 from kvreuse.fleet.serving.serve_args import UsageError, replica_args, replica_spec
+from kvreuse.fleet.serving.supervise import RestartPolicy
 from kvreuse.serve import ops_options
 from kvreuse.sim.args import Help, int_range, size
 
@@ -88,6 +91,18 @@ def _add_fleet(sub: Any) -> None:
         "--start-timeout", type=float, default=180.0, help="seconds the replicas get to start"
     )
     p.add_argument("--quiet-replicas", action="store_true", help="drop the replicas' output")
+    p.add_argument(
+        "--restart-tries",
+        type=int_range(0, 10**6),
+        default=RestartPolicy.tries,
+        help="restarts of a replica whose process exits, within --restart-window (0: none)",
+    )
+    p.add_argument(
+        "--restart-window",
+        type=float,
+        default=RestartPolicy.window,
+        help="seconds in which --restart-tries restarts may happen before a replica is given up",
+    )
     p.add_argument("serve_args", nargs="*", metavar="SERVE_OPTION", help="after --: for serve")
     p.set_defaults(func=_cmd_fleet)
 
@@ -121,12 +136,16 @@ def _add_route(sub: Any) -> None:
 
 # ---------------------------------------------------------------------------- commands
 def _cmd_fleet(args: argparse.Namespace) -> int:
-    from kvreuse.fleet.serving.preflight import check_model
+    from kvreuse.fleet.serving.preflight import check_model, check_replicas
     from kvreuse.fleet.serving.replicas import LocalFleet, ReplicaError, ReplicaProcess
     from kvreuse.fleet.serving.store import follow_replicas, replica_tiers
+    from kvreuse.fleet.serving.supervise import Supervisor
 
     try:
         _check_common(args)
+        policy = RestartPolicy(args.restart_tries, args.restart_window)
+        if (problem := policy.problem()) is not None:
+            raise UsageError(problem)
         serve_args = replica_args(args)
         dep = _fleet_deployment(args)
         config = dep.cache
@@ -152,36 +171,48 @@ def _cmd_fleet(args: argparse.Namespace) -> int:
         for n, m, k in zip(names, members, keys, strict=True)
     ]
     fleet = LocalFleet(procs)
+    supervisor = Supervisor(procs, dispatcher, members, policy, start_timeout=args.start_timeout)
+    stop = functools.partial(_stop_fleet, supervisor, fleet)
     try:
         fleet.start(args.start_timeout)
         for member, proc in zip(members, procs, strict=True):
             assert proc.url is not None and proc.replay_endpoint is not None
             member.url = proc.url
             dispatcher.set_replay(member, proc.replay_endpoint)
-        models = _check_replicas(dispatcher, config, required=True)
+        models = check_replicas(dispatcher, config, required=True)
         if store_url is not None:
             try:
                 follow_replicas(dispatcher, [m.url for m in members], store_url)
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
+        supervisor.start()
         # the replicas stop while the front shuts down: after a SIGTERM, which uvicorn re-raises
         # once the server is down, there is no later moment
-        return _serve("fleet", args, dispatcher, tokenizer, models, sock, fleet.stop)
+        return _serve("fleet", args, dispatcher, tokenizer, models, sock, stop)
     except (ReplicaError, UsageError) as exc:
         sock.close()
         return _usage("fleet", exc)
     finally:
-        fleet.stop()
+        stop()
+        supervisor.close()  # after the replicas: their death signal follows its thread
         dispatcher.close()
 
 
+def _stop_fleet(supervisor: Any, fleet: Any) -> None:
+    """No restart from here on, then every replica stops (each drains)."""
+    supervisor.halt()
+    fleet.stop()
+
+
 def _cmd_route(args: argparse.Namespace) -> int:
+    from kvreuse.fleet.serving.preflight import check_replicas, route_deployment
+
     try:
         _check_common(args)
         replicas = [replica_spec(text) for text in args.replica]
         if len({spec[0] for spec in replicas}) < len(replicas):
             raise UsageError("--replica: a URL is given twice")
-        config = _route_deployment(args.geometry, replicas[0][0]).cache
+        config = route_deployment(args.geometry, replicas[0][0]).cache
         tokenizer = _tokenizer(None, args.tokenizer)
         dispatcher, sock = _open(args, config)
     except (UsageError, ValueError, OSError) as exc:
@@ -191,7 +222,7 @@ def _cmd_route(args: argparse.Namespace) -> int:
             dispatcher.add(
                 f"replica-{i}", url, events, replay_endpoint=replay, curve_public_key=key
             )
-        models = _check_replicas(dispatcher, config, required=False)
+        models = check_replicas(dispatcher, config, required=False)
         return _serve("route", args, dispatcher, tokenizer, models, sock)
     except (UsageError, ValueError) as exc:
         sock.close()
@@ -333,65 +364,6 @@ def replica_deployment(geometry: str | None, fake: bool, num_blocks: int | None)
 # `kvreuse.engine.LLM`'s default geometry; read from the replicas and compared at start, so a
 # change there shows as one clear error instead of wrong hashes.
 DEFAULT_ENGINE_GEOMETRY = "tiny-hybrid-dcp4"
-
-
-def _route_deployment(geometry: str | None, first_url: str) -> Any:
-    from kvreuse.deployment import resolve
-
-    if geometry is not None:
-        return resolve(geometry)
-    dep = _replica_geometry(first_url)
-    if dep is None:
-        raise UsageError(
-            f"cannot read the geometry of {first_url} (GET /kvreuse/geometry): pass --geometry"
-        )
-    return dep
-
-
-def _replica_geometry(url: str) -> Any:
-    """The deployment a kvreuse replica serves at /kvreuse/geometry, or None (another server,
-    or none there)."""
-    import httpx
-
-    from kvreuse.deployment import GeometryError, load_geometry
-
-    try:
-        resp = httpx.get(f"{url.rstrip('/')}/kvreuse/geometry", timeout=5.0)
-    except httpx.HTTPError:
-        return None
-    if resp.status_code != 200:
-        return None
-    try:
-        return load_geometry(resp.text, f"{url}/kvreuse/geometry")
-    except (GeometryError, ValueError):
-        return None
-
-
-def _check_replicas(dispatcher: Any, config: Any, required: bool) -> list[dict[str, Any]]:
-    """Every kvreuse replica must hash like the front (same geometry but for the pool size);
-    returns the model cards of the first replica that lists them."""
-    import httpx
-
-    models: list[dict[str, Any]] = []
-    for member in dispatcher.members:
-        dep = _replica_geometry(member.url)
-        if dep is None:
-            if required:
-                raise UsageError(f"{member.name} at {member.url} did not serve its geometry")
-            note = f"note: {member.url} does not serve /kvreuse/geometry (not checked)"
-            print(f"kvreuse route: {note}", file=sys.stderr)
-        elif replace(dep.cache, num_blocks=config.num_blocks) != config:
-            raise UsageError(
-                f"{member.name} at {member.url} runs another geometry than the front hashes "
-                f"for ({dep.name}); every replica of a fleet must share one"
-            )
-        if not models:
-            try:
-                data = httpx.get(f"{member.url}/v1/models", timeout=5.0).json().get("data")
-                models = data if isinstance(data, list) else []
-            except (httpx.HTTPError, ValueError, AttributeError):
-                pass
-    return models
 
 
 def _tokenizer(model: str | None, path: str | None) -> Any:

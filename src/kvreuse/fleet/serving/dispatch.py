@@ -1,17 +1,14 @@
 """The front's routing state: the fleet `Router`, one KV event subscriber per replica, and what
 the front knows of each replica (up or down, requests and prompt tokens in flight).
 
-Threads: the front's event loop never touches a socket or a mirror. `route` (which polls the
-subscribers, may ask a replay socket, and runs the policy) runs in a worker thread under
-`_lock`; the in-flight counters have their own short lock, so finishing a request never waits
-for a routing decision.
-
-Freshness: a replica hands a step's events to its publisher before the step's tokens reach the
-client (kvreuse.serve.loop). Before routing, the front applies what has arrived and, for every
-replica that finished a request since the last decision, asks its replay socket for anything
-newer (`Subscriber.catch_up`), so the mirror includes the finished requests' entries. A store
-the replicas share is read from its journal first (kvreuse.fleet.serving.store): a replica
-pushes a step's changes to it before the step's tokens reach the client.
+Threads: the front's event loop never touches a socket or a mirror. `route` runs in a worker
+thread: first the I/O a decision needs (the shared store's journal, the replay sockets of
+replicas whose streams need a check: kvreuse.fleet.serving.freshness, which also says what a
+decision is guaranteed to have seen), then, under the routing lock `_lock`, the in-memory part
+(the batches that have arrived, the policy). `_lock` is never held across I/O, so `status`,
+another decision and the health loop never wait for a replica or the store. The in-flight
+counters and replica states have their own short lock, so finishing a request never waits for
+a routing decision.
 
 Trust: a decision records whether the replica's mirror was exact and which incarnation of the
 replica's stream it followed (`Routed.exact`, `Routed.instance`). A kvreuse replica names its
@@ -24,48 +21,34 @@ Load follows the router's rule (`kvreuse.fleet.routing.router`); the front sees 
 when it completes, so a replica's load is the prompt tokens of its requests in flight (routed,
 not yet answered) and their number. A replica that is down is never chosen: if the policy picks
 one, the request goes to the live replica the policy predicted most for, then the least loaded.
+
+States (`Member.state`, kvreuse.fleet.serving.members): `up`, `down`, and for a replica
+process that `kvreuse fleet` supervises `restarting` and `given-up`. A replica that is not up has
+no exact mirror as far as anyone is told: what it holds is unknown until it is checked again.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from kvreuse.core import CacheConfig
 from kvreuse.events import ReplicaMirror, StoreMirror, Subscriber
 from kvreuse.events.wire import MEDIUM_GPU
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT
 from kvreuse.fleet.routing.router import Decision, Router
+from kvreuse.fleet.serving.freshness import Freshness
+from kvreuse.fleet.serving.members import DOWN, GIVEN_UP, RESTARTING, SUPERVISED, UP, Member
 from kvreuse.fleet.serving.store import StoreFollower
 
+__all__ = ["Dispatcher", "Member", "NoReplica", "Routed"]
+
 DOWN_LOAD = 1 << 60  # the load a down replica shows the policy: no cost can prefer it
-CATCH_UP_BACKOFF_S = 5.0  # after a replay socket did not answer, skip catch-ups for this long
 
 
 class NoReplica(RuntimeError):
     """Every replica is down."""
-
-
-@dataclass
-class Member:
-    """A replica as the front sees it."""
-
-    index: int
-    name: str
-    url: str
-    endpoint: str  # its KV events, as the subscriber opened them (a bound :0 port resolved)
-    bind: bool | None
-    replay_endpoint: str | None = None
-    up: bool = True
-    why_down: str = ""
-    num_in_flight: int = 0
-    tokens_in_flight: int = 0
-    finished_since_sync: bool = False
-    catch_up_paused_until: float = 0.0
-    curve_public_key: str | None = None
-    subscriber: Subscriber = field(default_factory=Subscriber, repr=False)
 
 
 @dataclass(frozen=True)
@@ -106,10 +89,14 @@ class Dispatcher:
         self.router = Router(config, policy, load_weight=load_weight)
         self.replay_timeout = replay_timeout
         self.tiers, self.store = tuple(tiers), store
-        self.follower: StoreFollower | None = None
         self.members: list[Member] = []
-        self._lock = threading.Lock()
-        self._loads = threading.Lock()
+        self._lock = threading.Lock()  # the routing state; never held across I/O
+        self._loads = threading.Lock()  # loads and states
+        self.fresh = Freshness(self._lock)
+
+    @property
+    def follower(self) -> StoreFollower | None:
+        return self.fresh.follower
 
     # ------------------------------------------------------------------ members
     def add(
@@ -158,29 +145,64 @@ class Dispatcher:
         if follower.mirror is not self.store:
             raise ValueError("the store follower must keep the dispatcher's store mirror")
         with self._lock:
-            self.follower = follower
-            follower.sync()
+            self.fresh.follower = follower
+        self.fresh.sync_store()
 
     def set_replay(self, member: Member, endpoint: str) -> None:
         """Connect to the replica's replay socket (known only once a local replica started)."""
-        with self._lock:
+        with member.checking, self._lock:
             member.subscriber.set_replay_endpoint(member.name, endpoint)
             member.replay_endpoint = endpoint
-            self._catch_up(member)
+        self.fresh.follow(member, wait=True)
 
-    def mark_down(self, member: Member, why: str) -> None:
+    def mark_down(self, member: Member, why: str, *, url: str | None = None) -> None:
+        """Out of rotation until a health check brings it back. `url`: where it failed; a
+        replica restarted meanwhile at another address is not the one that failed."""
         with self._loads:
-            member.up, member.why_down = False, why
+            if (url is None or url == member.url) and member.state in (UP, DOWN):
+                member.state, member.why_down = DOWN, why
 
     def revive(self, member: Member) -> None:
         """A replica that was down answers again: its stream is checked through its replay
         before the next decision (a restarted replica has its mirror rebuilt from there). The
-        sockets stay as they are: a bound one keeps its port, a connected one reconnects."""
+        sockets stay as they are: a bound one keeps its port, a connected one reconnects. A
+        replica whose process is restarting or given up is the supervisor's to bring back."""
+        if member.state in SUPERVISED:
+            return
         with self._lock:
             member.subscriber.recheck(member.name)
             member.catch_up_paused_until = 0.0
         with self._loads:
-            member.up, member.why_down = True, ""
+            if member.state == DOWN:
+                member.state, member.why_down = UP, ""
+
+    # ------------------------------------------------------------------ supervision
+    def process_exited(self, member: Member, why: str, *, given_up: bool) -> None:
+        """The replica's process ended, and is restarting or (`given_up`) will not be. Out of
+        rotation at once, and no health check brings it back: only `restarted` does."""
+        with self._loads:
+            member.state, member.why_down = GIVEN_UP if given_up else RESTARTING, why
+
+    def process_started(self, member: Member, pid: int, *, restart: bool) -> None:
+        """A process of the replica was started (`restart`: again, by the supervisor)."""
+        with self._loads:
+            member.pid = pid
+            member.restarts += int(restart)
+
+    def restarted(self, member: Member, url: str, replay_endpoint: str) -> None:
+        """The replica's new process is ready at `url`: its mirror starts again from nothing
+        (a new process holds nothing) and follows the new event stream from its first batch,
+        checked through the new replay socket; then it is back in rotation. The event socket
+        stays (the front binds it; the new publisher connects to it)."""
+        with member.checking, self._lock:
+            member.subscriber.poll(0, check=False)  # the old process's last batches go first
+            member.subscriber.restarted(member.name)
+            member.subscriber.set_replay_endpoint(member.name, replay_endpoint)
+            member.replay_endpoint, member.url = replay_endpoint, url.rstrip("/")
+            member.catch_up_paused_until = 0.0
+        self.fresh.follow(member, wait=True)
+        with self._loads:
+            member.state, member.why_down = UP, ""
 
     def observe(self, member: Member, instance: str | None) -> None:
         """The replica named its stream's incarnation (a health check, a response): another one
@@ -198,9 +220,17 @@ class Dispatcher:
         return routed.exact and same
 
     def close(self) -> None:
-        with self._lock:
-            for member in self.members:
-                member.subscriber.close()
+        held = []
+        try:
+            for member in list(self.members):  # no check is under way once these are held
+                member.checking.acquire()
+                held.append(member)
+            with self._lock:
+                for member in self.members:
+                    member.subscriber.close()
+        finally:
+            for member in held:
+                member.checking.release()
 
     # ------------------------------------------------------------------ requests
     def route(
@@ -215,8 +245,9 @@ class Dispatcher:
         """Pick a replica (never one that is down or in `exclude`) and count the request in its
         load at once, so concurrent decisions see it (unless `count` is false: the caller then
         calls `begin` when the request is really sent). NoReplica when none is left."""
+        self.fresh.prepare(self.members)
         with self._lock:
-            self._sync()
+            self.fresh.drain(self.members)
             try:
                 query = self.router.query(tokens, request_id=request_id, cache_salt=cache_salt)
             except ValueError:
@@ -265,7 +296,7 @@ class Dispatcher:
             member = routed.member
             member.num_in_flight -= 1
             member.tokens_in_flight -= routed.num_tokens
-            member.finished_since_sync = True
+            member.finished += 1
 
     @staticmethod
     def _usable_choice(
@@ -284,36 +315,11 @@ class Dispatcher:
     def refresh(self) -> None:
         """Apply what has arrived and ask every live replica's replay socket for anything newer:
         PUB/SUB shows a lost batch only when a later one arrives, so a quiet replica is caught
-        up here (the front's health loop calls this)."""
-        with self._lock:
-            for member in self.members:
-                if member.up:
-                    member.subscriber.poll(0)
-                    if time.monotonic() >= member.catch_up_paused_until:
-                        self._catch_up(member)
-
-    def _sync(self) -> None:
-        """Apply the events that have arrived and the shared store's journal; catch up
-        replicas that finished requests."""
-        if self.follower is not None:
-            self.follower.sync()
-        now = time.monotonic()
-        for member in self.members:
-            if not member.up:
-                continue
-            member.subscriber.poll(0)
-            if member.finished_since_sync and now >= member.catch_up_paused_until:
-                self._catch_up(member)
-
-    def _catch_up(self, member: Member) -> None:
-        member.finished_since_sync = False
-        stream = member.subscriber.stream(member.name)
-        if stream.replay is None:
-            return
-        errors = len(stream.errors)
-        member.subscriber.catch_up(member.name)
-        if len(stream.errors) > errors:  # no answer: do not stall every decision on it
-            member.catch_up_paused_until = time.monotonic() + CATCH_UP_BACKOFF_S
+        up here (the front's health loop calls this). A replica already being checked is left
+        to that check."""
+        for member in list(self.members):
+            if member.up:
+                self.fresh.follow(member)
 
     def _why_down(self) -> str:
         return "; ".join(f"{m.name}: {m.why_down or 'down'}" for m in self.members)
@@ -332,7 +338,10 @@ class Dispatcher:
                         "events": m.endpoint,
                         "replay": m.replay_endpoint,
                         "up": m.up,
+                        "state": m.state,
                         "why_down": m.why_down or None,
+                        "restarts": m.restarts,
+                        "pid": m.pid,
                         "requests_in_flight": m.num_in_flight,
                         "tokens_in_flight": m.tokens_in_flight,
                         "event_batches": stream.num_batches,
@@ -340,7 +349,8 @@ class Dispatcher:
                         "event_restarts": stream.num_restarts,
                         "event_rejected": stream.num_rejected,
                         "events_instance": stream.instance,
-                        "mirror_exact": stream.exact,
+                        # a replica out of rotation may have restarted: unknown until checked
+                        "mirror_exact": stream.exact and m.up,
                     }
                 )
         return out

@@ -6,8 +6,9 @@ POST /v1/completions         routed, then forwarded (SSE relayed with "stream": 
 POST /v1/chat/completions    the same; tokenised with the replicas' chat template
 GET  /metrics                per-replica routing counters (kvreuse.fleet.serving.metrics); only
                              on `metrics_port` when one is given
-GET  /fleet/replicas         each replica: url, up or down, load, event stream state; needs the
-                             admin token when one is configured (401 otherwise)
+GET  /fleet/replicas         each replica: url, state (up, down, restarting, given-up), load,
+                             event stream state; needs the admin token when one is configured
+                             (401 otherwise)
 
 A request is validated and tokenised exactly as a `kvreuse serve` replica does it (the same
 request models and errors, the same chat template, the same tokenizer), so the front hashes the
@@ -26,7 +27,9 @@ deadline (`kvreuse.fleet.serving.deadlines.Deadlines`): past it the request ends
 `replica_timeout` (in a stream that has begun: an error event). A health check every
 `health_interval` seconds takes replicas out of rotation and back in; one that does not answer
 it in time also has its requests in flight ended (502 `replica_down`), while one that answers
-"not healthy" (draining) keeps them: finishing those is what its drain is for.
+"not healthy" (draining) keeps them: finishing those is what its drain is for. A replica whose
+process `kvreuse fleet` is restarting is out of rotation until the new process is followed
+(kvreuse.fleet.serving.supervise), whatever its health check says.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from kvreuse.fleet.serving.forward import (
     read_answer,
     relay_stream,
 )
+from kvreuse.fleet.serving.members import DOWN
 from kvreuse.fleet.serving.metrics import FrontMetrics
 from kvreuse.serve.body import DEFAULT_MAX_BODY_BYTES, Disconnected, decode_json, read_body
 from kvreuse.serve.ops import PortSplit, api_error, check_admin
@@ -246,13 +250,14 @@ async def _forward(front: _Front, req: FrontRequest, path: str) -> Response:
         # a non-streamed answer's headers come with its body, once it is generated
         limit = _limit(deadlines, req.stream)
         head_by = loop.time() + (deadlines.first_byte if req.stream else deadlines.answer)
-        send = functools.partial(open_upstream, client, member.url + path, req.body)
+        url = member.url  # a restarted replica moves: only this address failed
+        send = functools.partial(open_upstream, client, url + path, req.body)
         try:
             resp = await flight.wait(send, head_by, f"sent no response headers within {limit}")
             break
         except Unreachable as exc:  # nothing was sent: another replica may take it
             flight.finish(Delivery(failed=True))
-            front.dispatcher.mark_down(member, str(exc))
+            front.dispatcher.mark_down(member, str(exc), url=url)
             tried.add(member.index)
         except (httpx.HTTPError, GaveUp) as exc:
             flight.finish(Delivery(failed=True))
@@ -362,25 +367,28 @@ async def _health_loop(front: _Front, every: float) -> None:
         await asyncio.sleep(every)
         try:
             for member in list(dispatcher.members):
-                ok, why, answered, instance = await _healthy(front.client, member)
+                url = member.url  # a supervised replica restarted meanwhile is elsewhere
+                ok, why, answered, instance = await _healthy(front.client, url)
+                if url != member.url:
+                    continue
                 if not answered and (ended := front.flights.end(member.name, why)):
                     log.warning("fleet: ended %d request(s) on %s: %s", ended, member.name, why)
                 if instance is not None:  # a restart between two checks shows here
                     await asyncio.to_thread(dispatcher.observe, member, instance)
                 if member.up and not ok:
-                    dispatcher.mark_down(member, why)
-                elif not member.up and ok:
+                    dispatcher.mark_down(member, why, url=url)
+                elif member.state == DOWN and ok:
                     await asyncio.to_thread(dispatcher.revive, member)
             await asyncio.to_thread(dispatcher.refresh)
         except Exception as exc:  # the next round tries again; the front goes on serving
             log.error("fleet health check failed: %s: %s", type(exc).__name__, exc)
 
 
-async def _healthy(client: httpx.AsyncClient, member: Member) -> tuple[bool, str, bool, str | None]:
+async def _healthy(client: httpx.AsyncClient, url: str) -> tuple[bool, str, bool, str | None]:
     """(healthy, why not, whether it answered in time: a refused connection answers too, the
     incarnation of its KV event stream it named)."""
     try:
-        resp = await client.get(f"{member.url}/health", timeout=HEALTH_TIMEOUT)
+        resp = await client.get(f"{url}/health", timeout=HEALTH_TIMEOUT)
     except httpx.TimeoutException as exc:
         return False, f"no answer to a health check in {HEALTH_TIMEOUT:g} s ({exc!r})", False, None
     except httpx.HTTPError as exc:

@@ -19,7 +19,10 @@ Counters (names in the style of `kvreuse.serve.metrics`):
 
 Gauges, read at scrape time: `kvreuse:fleet_replica_up`, `kvreuse:fleet_requests_in_flight`,
 `kvreuse:fleet_tokens_in_flight`, `kvreuse:fleet_mirror_exact` (0 once the replica's event
-stream lost batches that replay could not restore).
+stream lost batches that replay could not restore, and while the replica is not up),
+`kvreuse:fleet_replica_state{replica,state}` (1 for the state it is in: up, down, restarting,
+given-up). Read with them, `kvreuse:fleet_replica_restarts_total{replica}`: the processes
+`kvreuse fleet` started again for the replica.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from kvreuse.fleet.serving.members import STATES
 
 P = "kvreuse:fleet_"
 
@@ -57,6 +62,8 @@ GAUGES = (  # (status key, metric name, help)
     ("tokens_in_flight", "tokens_in_flight", "Prompt tokens of the requests in flight."),
     ("mirror_exact", "mirror_exact", "1 while every KV event batch of the replica was applied."),
 )
+RESTARTS_DOC = "Processes of the replica the fleet started again after one exited."
+STATE_DOC = "1 for the state the replica is in (up, down, restarting, given-up)."
 
 
 class FrontMetrics(Collector):
@@ -128,3 +135,16 @@ class FrontMetrics(Collector):
             for row in self.last:
                 gauge.add_metric([str(row["name"])], float(row[key]))  # type: ignore[arg-type]
             yield gauge
+        yield from self._supervision()
+
+    def _supervision(self) -> Iterator[Metric]:
+        """Restarts and states, from the last status read."""
+        restarts = CounterMetricFamily(P + "replica_restarts", RESTARTS_DOC, labels=["replica"])
+        state = GaugeMetricFamily(P + "replica_state", STATE_DOC, labels=["replica", "state"])
+        for row in self.last:
+            name = str(row["name"])
+            restarts.add_metric([name], float(row["restarts"]))  # type: ignore[arg-type]
+            for value in STATES:
+                state.add_metric([name, value], float(row["state"] == value))
+        yield restarts
+        yield state

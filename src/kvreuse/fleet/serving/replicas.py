@@ -8,9 +8,12 @@ guessed and none can be taken by someone else in between.
 
 Lifetime: a replica dies with the front. It is stopped with SIGTERM (its graceful drain), then
 SIGKILL after `stop_timeout`; on Linux it also gets SIGTERM from the kernel when the front dies
-without stopping it (PR_SET_PDEATHSIG), so even a killed front leaves no orphan. A replica that
-exits by itself (or is killed) is reaped as soon as its output ends, and says so in a line
-`[replica-i] exited (exit code N)`: no zombie waits for the front to exit.
+without stopping it (PR_SET_PDEATHSIG), so even a killed front leaves no orphan. It runs in a
+process group of its own, so a signal meant for the front's group (Ctrl-C) is the front's to
+pass on, once it has stopped serving. A replica that exits by itself (or is killed) is reaped
+as soon as its output ends, and says so in a line `[replica-i] exited (exit code N)`: no zombie
+waits for the front to exit. Whoever `watch`es the replica is told of that exit
+(kvreuse.fleet.serving.supervise restarts it: `start` again).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TextIO
 
 import httpx
@@ -57,7 +60,8 @@ class ReplicaProcess:
     wildcard it binds; `replay_endpoint` is where its replay socket binds (`:0`: a free port).
     `url`, `events_bound` and `replay_bound` are what it opened.
     Its output goes to `echo` (default: the front's stderr) prefixed with `[name]`, once the
-    start-up lines have been read; the last lines are kept for error messages."""
+    start-up lines have been read; the last lines are kept for error messages. `start` may be
+    called again once the process has exited: a new process, the same sockets asked for."""
 
     def __init__(
         self,
@@ -86,6 +90,13 @@ class ReplicaProcess:
         self._ended = False
         self._stopping = False
         self._reader: threading.Thread | None = None
+        self._exit_lock = threading.Lock()  # an exit and `watch` see each other exactly once
+        self._exit_code: int | None = None
+        self._on_exit: Callable[[ReplicaProcess, int], None] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
 
     def command(self) -> list[str]:
         return [
@@ -105,8 +116,14 @@ class ReplicaProcess:
         ]
 
     def start(self) -> None:
-        """Start the process (from the main thread: the death signal follows the thread that
-        started the child)."""
+        """Start the process (from a thread that lives as long as the front: the death signal
+        follows the thread that started the child)."""
+        if self._reader is not None:
+            self._reader.join(2.0)  # the last process's output is read to its end
+        self.url = self.events_bound = self.replay_endpoint = None
+        self._opened, self._ended, self._stopping = threading.Event(), False, False
+        with self._exit_lock:
+            self._exit_code = None
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         self.proc = subprocess.Popen(
             self.command(),
@@ -117,29 +134,53 @@ class ReplicaProcess:
             errors="replace",
             env=env,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            # its own process group: a signal to the front's group (Ctrl-C in a terminal,
+            # `timeout`) reaches the front, which stops its replicas itself; one that reached
+            # them too would look like exits to restart
+            process_group=0,
         )
-        self._reader = threading.Thread(target=self._read, name=f"{self.name}-out", daemon=True)
-        self._reader.start()
+        reader = threading.Thread(
+            target=self._read, args=(self.proc, self._opened), name=f"{self.name}-out", daemon=True
+        )
+        self._reader = reader
+        reader.start()
 
-    def _read(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for raw in self.proc.stdout:
+    def _read(self, proc: subprocess.Popen[str], opened: threading.Event) -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
             line = raw.rstrip("\n")
             self.tail.append(line)
-            if not self._opened.is_set():
+            if not opened.is_set():
                 if (m := _URL_LINE.match(line)) is not None:
                     self.url = m.group(1)
                 elif (m := _EVENTS_LINE.match(line)) is not None:
                     self.events_bound, self.replay_endpoint = m.group(1), m.group(2)
                 if self.url is not None and self.replay_endpoint is not None:
-                    self._opened.set()
+                    opened.set()
             if not _HEALTH_LINE.search(line):
                 self._echo(line)
         self._ended = True
-        self._opened.set()  # the process ended: whoever waits must look at it
-        code = self.proc.wait()  # its output ends as it exits: reap it now, not at the front's end
+        opened.set()  # the process ended: whoever waits must look at it
+        code = proc.wait()  # its output ends as it exits: reap it now, not at the front's end
+        with contextlib.suppress(OSError):
+            proc.stdout.close()  # a restart opens another pipe: this one is done
+        with self._exit_lock:
+            self._exit_code = code
+            notify = None if self._stopping else self._on_exit
         if not self._stopping:
             self._echo(f"exited (exit code {code})")
+        if notify is not None:
+            notify(self, code)
+
+    def watch(self, on_exit: Callable[[ReplicaProcess, int], None]) -> None:
+        """Call `on_exit(self, exit code)` (from the output reader's thread) whenever a process
+        of this replica exits unasked (not by `terminate` or `stop`), at once if the current
+        one already has."""
+        with self._exit_lock:
+            self._on_exit = on_exit
+            code = None if self._stopping else self._exit_code
+        if code is not None:
+            on_exit(self, code)
 
     def _echo(self, line: str) -> None:
         if not self.quiet:
@@ -179,6 +220,12 @@ class ReplicaProcess:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL, if it runs (a process that never became ready); its exit is reported."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
 
     def terminate(self) -> None:
         """SIGTERM, if it runs: the replica drains and exits."""
