@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import random
 import sys
@@ -116,7 +117,11 @@ def _tier_option_error(args: argparse.Namespace) -> str | None:
     if args.store_capacity is not None and url is None and not args.fake:
         return "--store-capacity needs --store-url redis://HOST:PORT (the store's bytes) or --fake"
     if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
-        return f"--store-url must be a redis://, rediss:// or unix:// URL, got {url!r}"
+        from kvreuse.serve.store_view import redacted
+
+        return f"--store-url must be a redis://, rediss:// or unix:// URL, got {redacted(url)!r}"
+    if not (math.isfinite(args.store_lease) and 0.05 <= args.store_lease <= 3600):
+        return f"--store-lease must be seconds in [0.05, 3600], got {args.store_lease}"
     if args.store_shared and url is None:
         return "--store-shared needs --store-url and --store-capacity (the store they share)"
     return None
@@ -145,6 +150,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             args.store_admission,
             args.store_url,
             args.store_shared,
+            args.store_lease,
         )
         if args.fake:
             backend = fake_backend(args.geometry, num_blocks=args.num_blocks, tiers=tiers)

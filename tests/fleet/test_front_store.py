@@ -46,6 +46,8 @@ def test_sessions_move_between_replicas_and_take_their_history_from_the_store(
     assert all(t.predicted_by_medium is not None for t in turns)
     assert [t for t in turns if t.predicted_by_medium != t.cached_by_medium] == []
     assert [t for t in turns if t.predicted != t.cached] == []
+    # one request at a time after the first turn: each was admitted on the view the front read
+    assert all(t.exact for t in turns if t.turn > 0), [t for t in turns if not t.exact]
     # sessions moved, and the moved turns found their history in the store
     where = {(t.session, t.turn): t.replica for t in turns}
     moved = [t for t in turns if t.turn > 0 and where[(t.session, t.turn - 1)] != t.replica]

@@ -135,6 +135,7 @@ class Turn:
     prompt_tokens: int
     predicted_by_medium: dict[str, int] | None = None  # the front's header, when it predicts
     cached_by_medium: dict[str, int] | None = None  # the replica's, when it has tiers
+    exact: bool = False  # the front's x-kvreuse-mirror-exact
 
 
 def agent_turns(sessions: int, turns: int) -> list[list[dict]]:
@@ -182,6 +183,7 @@ def run_agent(url: str, sessions: int = 8, turns: int = 6) -> list[Turn]:
             usage.prompt_tokens,
             None if by_medium is None else _by_medium(by_medium),
             (usage.prompt_tokens_details.model_extra or {}).get("cached_tokens_by_medium"),
+            raw.headers.get("x-kvreuse-mirror-exact") == "true",
         )
         return req.request_id, tokens + generated, turn
 

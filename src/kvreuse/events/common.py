@@ -11,6 +11,10 @@ DEFAULT_BUFFER_STEPS = 10_000
 # incarnation of its KV event stream (`Publisher.instance_id`): a router that sees another one
 # than it follows knows the replica restarted.
 INSTANCE_HEADER = "x-kvreuse-kv-events-instance"
+# The response header by which a replica sharing a store names the store's view the request was
+# admitted on ("<epoch>:<seq>", or "detached"): a router predicted store hits exactly only when
+# it predicted from that very view.
+STORE_VIEW_HEADER = "x-kvreuse-store-view"
 # `kvreuse fleet` hands each replica its CURVE secret through this variable (never on a command
 # line, which every user of the machine can read); `kvreuse serve` reads it when no key is given
 SECRET_ENV = "KVREUSE_KV_EVENTS_CURVE_SECRET"

@@ -261,7 +261,10 @@ async def _respond(
         asked = req.stream_options is not None and req.stream_options.include_usage
         usage = opts.force_include_usage or asked
         events = sse(engine, backend, gen, out, http, chat, req.return_token_ids, usage)
-        return GuardedStream(_leaving(events, life, gen), opts.stream_stall_timeout, gen.rid)
+        stall = opts.stream_stall_timeout
+        # with a shared store, the response starts at the admission, naming its store view
+        late = gen.headers if backend.store_turns is not None else None
+        return GuardedStream(_leaving(events, life, gen), stall, gen.rid, late)
     try:
         async for _ in run(engine, backend, gen, out, http):
             pass
@@ -269,7 +272,7 @@ async def _respond(
         life.leave(gen)
     if gen.finish_reason == "disconnect":
         return Response(status_code=499)
-    return JSONResponse(message(gen, backend, chat, req.return_token_ids))
+    return JSONResponse(message(gen, backend, chat, req.return_token_ids), headers=gen.headers())
 
 
 async def _leaving(events: AsyncIterator[str], life: Lifecycle, gen: Gen) -> AsyncIterator[str]:

@@ -55,6 +55,7 @@ class TierOptions:
     store_admission: str = "on-eviction"
     store_url: str | None = None
     store_shared: bool = False  # with the other servers of this model on `store_url`
+    store_lease_s: float = 10.0  # a turn's lease on the shared store (kvreuse.serve.store_turns)
 
     def specs(self, dep: Deployment) -> tuple[TierSpec, ...]:
         bare = replace(dep, tiers=())
@@ -70,12 +71,12 @@ class TierOptions:
 
 def share_store(
     sched: Scheduler, tiers: TierOptions, namespace: str | None = None, store: Any = None
-) -> str | None:
+) -> Any:
     """Give `sched` its turns over the store it shares with other servers
     (kvreuse.serve.store_turns): `namespace`, the store's bytes' (the engine's, whose
     `RedisBytes` is `store`: its writes then present the turn's fence), else one of the cache
-    layout's alone (the fake backend, which keeps no bytes). Returns the Redis key of the
-    store's log, which a router reads to mirror the store."""
+    layout's alone (the fake backend, which keeps no bytes). Returns its `StoreTurns` (whose
+    `log_key` a router reads to mirror the store), None when it shares none."""
     from kvreuse.serve.store_turns import StoreTurns
     from kvreuse.serve.store_view import redacted, redis_client
 
@@ -93,12 +94,14 @@ def share_store(
         where = redacted(tiers.store_url)
         raise RuntimeError(f"cannot reach the store at {where} ({exc})") from None
     ns = namespace or f"fake:{tier.namespace}:{tier.spec.name}"
-    turns = StoreTurns(tier, client, ns, breaker=getattr(store, "breaker", None))
+    breaker = getattr(store, "breaker", None)
+    lease = tiers.store_lease_s
+    turns = StoreTurns(tier, client, ns, lease_s=lease, wait_s=min(5.0, lease), breaker=breaker)
     check_store_meta(client, turns.keys.meta, tier)
     if store is not None:
         store.turns = turns
     sched.turn = turns.turn
-    return turns.log_key
+    return turns
 
 
 def check_store_meta(client: Any, key: str, tier: SharedTier) -> None:
@@ -132,7 +135,20 @@ class Backend:
     aliases: tuple[str, ...] = ()  # other names `model` may give (an earlier naming)
     notes: tuple[str, ...] = ()  # what `kvreuse serve` should tell the operator at start
     transfers: Any = None  # the engine's `Transfers` (bytes moved to and from its tiers)
-    store_journal: str | None = None  # the Redis key of a shared store's journal
+    store_turns: Any = None  # a shared store's `StoreTurns` (kvreuse.serve.store_turns)
+
+    @property
+    def store_journal(self) -> str | None:
+        """The Redis key of a shared store's log (None: it shares no store)."""
+        return None if self.store_turns is None else str(self.store_turns.log_key)
+
+    def store_view(self) -> str | None:
+        """The shared store's view the last step ran on, as `STORE_VIEW_HEADER` names it:
+        "<epoch>:<seq>", "detached"; None when the server shares no store. Read on the step
+        loop's thread, right after the step."""
+        if self.store_turns is None:
+            return None
+        return self.store_turns.followed or "detached"
 
     @property
     def token_limit(self) -> int:
@@ -174,9 +190,9 @@ def fake_backend(
         geo = replace(geo, tiers=tiers.specs(geo))
     engine = ScriptedEngine(ContentTokens(), saves="at_end")
     sched = Scheduler(KVCacheManager(geo.cache, tiers=below), engine, geo.sched)
-    journal = share_store(sched, tiers) if tiers is not None and tiers.store_shared else None
+    turns = share_store(sched, tiers) if tiers is not None and tiers.store_shared else None
     backend = Backend(name, ByteTokenizer(), sched, geo.max_model_len or 2048, geo)
-    backend.store_journal = journal
+    backend.store_turns = turns
     return backend
 
 
@@ -212,10 +228,10 @@ def default_backend(
     if tiers is not None:
         kwargs["tiers"] = _engine_tiers(model, kwargs.get("geometry"), tiers)
     llm = LLM(model, **kwargs)
-    journal = None
+    turns = None
     if tiers is not None and tiers.store_shared:
         held = [b for spec, b in kwargs["tiers"] if isinstance(spec, SharedTier)]
-        journal = share_store(llm.scheduler, tiers, held[0].prefix.rstrip(":"), held[0].store)
+        turns = share_store(llm.scheduler, tiers, held[0].prefix.rstrip(":"), held[0].store)
     geo = kwargs.get("geometry")
     model_cfg = getattr(getattr(llm, "model", None), "config", None)
     vocab = getattr(model_cfg, "vocab_size", None)
@@ -238,7 +254,7 @@ def default_backend(
         aliases=tuple({llm.model_name} - {name}),
         notes=notes,
         transfers=llm.runner.transfers,
-        store_journal=journal,
+        store_turns=turns,
     )
 
 

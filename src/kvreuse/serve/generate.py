@@ -11,6 +11,7 @@ from typing import Any
 
 from starlette.requests import Request as HttpRequest
 
+from kvreuse.events.common import STORE_VIEW_HEADER
 from kvreuse.serve.backend import Backend
 from kvreuse.serve.detok import TextState, advance
 from kvreuse.serve.loop import Delta, EngineLoop, Overloaded, Unavailable
@@ -35,6 +36,7 @@ class Gen:
     token_ids: list[int] = field(default_factory=list)
     cached_tokens: int = 0
     cached_by_medium: dict[str, int] | None = None  # with tiers (Delta.cached_by_medium)
+    store_view: str | None = None  # with a shared store, once admitted (Delta.store_view)
     finish_reason: str | None = None
     out: asyncio.Queue[Delta] | None = None  # set by `submit`
     text_state: TextState = field(init=False)
@@ -45,6 +47,10 @@ class Gen:
     @property
     def text(self) -> str:
         return self.text_state.text
+
+    def headers(self) -> dict[str, str]:
+        """The response headers that say how it was admitted (`STORE_VIEW_HEADER`)."""
+        return {} if self.store_view is None else {STORE_VIEW_HEADER: self.store_view}
 
     def usage(self) -> dict[str, Any]:
         """OpenAI's usage; with tiers below the cache, `prompt_tokens_details` also says where
@@ -227,6 +233,8 @@ async def run(
                 gen.cached_tokens = delta.cached_tokens
             if delta.cached_by_medium is not None:
                 gen.cached_by_medium = delta.cached_by_medium
+            if delta.store_view is not None:
+                gen.store_view = delta.store_view
             gen.token_ids.extend(delta.token_ids)
             finished = delta.finish_reason is not None
             text = advance(backend.tokenizer, gen.text_state, gen.token_ids, finished)

@@ -70,6 +70,8 @@ class Delta:
     finished: bool = True  # with `error`: the loop has already forgotten the request
     # with tiers below the cache, once admitted: the cached tokens by where they came from
     cached_by_medium: dict[str, int] | None = None
+    # with a shared store, once admitted: the store's view it was admitted on (Backend.store_view)
+    store_view: str | None = None
 
 
 @dataclass(slots=True)
@@ -371,17 +373,19 @@ class EngineLoop:
             msg = "the request exceeds the cache"
             self._post(act.out.put_nowait, Delta([], 0, "error", msg, 400))
             return
-        cached = by_medium = None
+        cached = by_medium = view = None
         if seq.cached_tokens is not None and not act.cached_sent:
             cached, act.cached_sent = seq.cached_tokens, True
             by_medium = self.backend.cached_by_medium(act.rid, cached)
+            view = self.backend.store_view()  # the step just run admitted it
         if not new and reason is None and cached is None:
             return
         act.sent += len(new)
         if reason is not None:
             self._forget(act.rid, reason)
             cached = seq.cached_tokens or 0
-        self._post(act.out.put_nowait, Delta(new, cached, reason, cached_by_medium=by_medium))
+        delta = Delta(new, cached, reason, cached_by_medium=by_medium, store_view=view)
+        self._post(act.out.put_nowait, delta)
 
     def _abort(self, rid: str) -> None:
         sched = self.backend.scheduler

@@ -39,6 +39,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--store-url (its index kept in the server too; the servers take their steps in "
         "turn)",
     )
+    p.add_argument(
+        "--store-lease",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how long a server's turn on a shared store lasts before the others may take it: "
+        "a server paused longer finds its turn fenced out and its writes refused (default 10)",
+    )
     p.add_argument("--max-pending", type=int, default=256, help="requests in flight before 429")
     p.add_argument("--fake", action="store_true", help="deterministic fake model (no torch)")
     p.add_argument(

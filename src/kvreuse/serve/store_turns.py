@@ -165,6 +165,9 @@ class StoreTurns:
         self.epoch: str | None = None  # the view the copy follows; None: detached
         self.seq = -1  # the last entry in the copy
         self.fence: str | None = None
+        # the view the last turn's step ran on, "<epoch>:<seq>" (None: the step ran detached):
+        # what a request admitted in that step could hit, as a front that read the same names
+        self.followed: str | None = None
         self.num_turns = self.num_replayed = self.num_rebuilds = self.num_resets = 0
         self.num_detached_turns = self.num_snapshots = 0
         self.last_error: str | None = None
@@ -186,6 +189,7 @@ class StoreTurns:
 
     # ------------------------------------------------------------------ begin and end
     def _begin(self) -> bool:
+        self.followed = None
         if not self.breaker.closed():
             self._detach()
             self.num_detached_turns += 1
@@ -198,6 +202,7 @@ class StoreTurns:
             self.num_detached_turns += 1
             return False
         self.tier.open_turn()
+        self.followed = f"{self.epoch}:{self.seq}"
         return True
 
     def _end(self, held: bool) -> None:

@@ -130,9 +130,12 @@ PASSWORD_ENV = "KVREUSE_STORE_PASSWORD"
 
 def redacted(url: str) -> str:
     """`url` without its password, for messages and logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+    except ValueError:  # not a URL at all: whatever follows "@" may still be a secret
+        return "***@" + url.rsplit("@", 1)[-1] if "@" in url else url
     host = parts.netloc.rsplit("@", 1)[-1]
     user = f"{parts.username}:***@" if parts.username else ":***@"
     return urlunsplit(parts._replace(netloc=user + host))

@@ -15,7 +15,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.requests import Request as HttpRequest
@@ -31,17 +31,34 @@ log = logging.getLogger("kvreuse.serve")
 
 
 class GuardedStream(StreamingResponse):
-    """A `StreamingResponse` whose every write must finish within `stall_timeout` seconds."""
+    """A `StreamingResponse` whose every write must finish within `stall_timeout` seconds.
 
-    def __init__(self, content: AsyncIterator[str], stall_timeout: float, label: str) -> None:
+    With `late_headers`, the response starts with its first event, so its headers can say how
+    the request was admitted (`late_headers()`, read then: the first event comes after the
+    admission); without, at once."""
+
+    def __init__(
+        self,
+        content: AsyncIterator[str],
+        stall_timeout: float,
+        label: str,
+        late_headers: Callable[[], dict[str, str]] | None = None,
+    ) -> None:
         super().__init__(content, media_type="text/event-stream")
         self.stall_timeout = stall_timeout
         self.label = label
+        self.late_headers = late_headers
 
     async def stream_response(self, send: Send) -> None:
+        chunks: AsyncIterator[Any] = aiter(self.body_iterator)
+        if self.late_headers is not None:
+            first = await anext(chunks, None)
+            for name, value in self.late_headers().items():
+                self.raw_headers.append((name.encode("latin-1"), value.encode("latin-1")))
+            chunks = _prepend(first, chunks)
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         try:
-            async for chunk in self.body_iterator:
+            async for chunk in chunks:
                 data = chunk.encode() if isinstance(chunk, str) else bytes(chunk)
                 message = {"type": "http.response.body", "body": data, "more_body": True}
                 try:
@@ -59,6 +76,16 @@ class GuardedStream(StreamingResponse):
             close = getattr(self.body_iterator, "aclose", None)
             if close is not None:
                 await close()  # the generator's cleanup aborts the request now, not at GC
+
+
+async def _prepend(
+    first: str | bytes | memoryview | None, rest: AsyncIterator[Any]
+) -> AsyncIterator[Any]:
+    if first is None:
+        return
+    yield first
+    async for chunk in rest:
+        yield chunk
 
 
 def head(gen: Gen, backend: Backend, chat: bool, chunk: bool = False) -> dict[str, Any]:
@@ -98,11 +125,19 @@ async def sse(
     usage: bool,
 ) -> AsyncIterator[str]:
     top = head(gen, backend, chat, chunk=True)
+    # a chat stream's first event names the role; with a shared store it waits for the first
+    # text, so that the response starts once the request is admitted (GuardedStream)
+    role = event({**top, "choices": [_choice(chat, None, None, True)], "usage": None})
+    role_due = chat
     try:
-        if chat:
-            yield event({**top, "choices": [_choice(chat, None, None, True)], "usage": None})
+        if role_due and backend.store_turns is None:
+            role_due = False
+            yield role
         async with contextlib.aclosing(run(engine, backend, gen, out, http)) as texts:
             async for text in texts:
+                if role_due:
+                    role_due = False
+                    yield role
                 yield event({**top, "choices": [_choice(chat, text, None)], "usage": None})
     except ApiError as exc:
         yield event(exc.body())
@@ -110,6 +145,8 @@ async def sse(
         return
     if gen.finish_reason == "disconnect":
         return
+    if role_due:
+        yield role
     final = _choice(chat, None, gen.finish_reason)
     if token_ids:
         final["prompt_token_ids"], final["token_ids"] = gen.prompt, gen.token_ids

@@ -55,7 +55,9 @@ class NoReplica(RuntimeError):
 class Routed:
     """Where a request goes: the member, and the policy's decision (None when the request could
     not be hashed: it then goes to the least loaded replica, which answers it); whether the
-    member's mirror was exact when it was decided, and the stream incarnation it followed."""
+    member's mirror was exact when it was decided, and the stream incarnation it followed;
+    with a shared store, the store's view the prediction read ("<epoch>:<seq>"; None when the
+    front's view was not exact: `exact` is then false)."""
 
     member: Member
     decision: Decision | None
@@ -63,6 +65,7 @@ class Routed:
     exact: bool = False
     instance: str | None = None
     by_medium: dict[str, int] | None = None  # the prediction by where the hit lies
+    store_view: str | None = None
 
     @property
     def predicted(self) -> int | None:
@@ -211,13 +214,17 @@ class Dispatcher:
             with self._lock:
                 member.subscriber.expect_instance(member.name, instance)
 
-    def confirm(self, routed: Routed, instance: str | None) -> bool:
+    def confirm(self, routed: Routed, instance: str | None, store_view: str | None = None) -> bool:
         """Whether `routed`'s prediction came from an exact mirror of the process that answered
-        (`instance`: the incarnation its response named, None for a replica that names none)."""
+        (`instance`: the incarnation its response named, None for a replica that names none)
+        and, with a shared store, from the very view of the store the request was admitted on
+        (`store_view`: as the response named it; a replica whose copy was detached, or that
+        took another replica's turns since, got other store hits than the front read)."""
         same = instance is None or instance == routed.instance
         if not same:
             self.observe(routed.member, instance)
-        return routed.exact and same
+        store_same = self.follower is None or store_view == routed.store_view
+        return routed.exact and same and store_same
 
     def close(self) -> None:
         held = []
@@ -266,7 +273,10 @@ class Dispatcher:
             member = self.members[index]
             stream = member.subscriber.stream(member.name)
             by_medium = self._by_medium(decision)
-            routed = Routed(member, decision, len(tokens), stream.exact, stream.instance, by_medium)
+            exact, view = stream.exact, None
+            if self.follower is not None:  # store hits are predicted from the front's view
+                exact, view = exact and self.follower.exact, self.follower.view
+            routed = Routed(member, decision, len(tokens), exact, stream.instance, by_medium, view)
             if count:
                 self.begin(routed)
         return routed

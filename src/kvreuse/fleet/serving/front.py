@@ -52,7 +52,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
 
-from kvreuse.events.common import INSTANCE_HEADER
+from kvreuse.events.common import INSTANCE_HEADER, STORE_VIEW_HEADER
 from kvreuse.fleet.serving.deadlines import Deadlines
 from kvreuse.fleet.serving.dispatch import Dispatcher, Member, NoReplica, Routed
 from kvreuse.fleet.serving.forward import (
@@ -293,9 +293,10 @@ async def _confirm(front: _Front, routed: Routed, resp: httpx.Response) -> bool:
     """Whether the prediction came from an exact mirror of the process that answered: a
     replica that names another incarnation than the mirror followed has restarted."""
     announced = resp.headers.get(INSTANCE_HEADER)
-    if announced is None or announced == routed.instance:
-        return routed.exact
-    return await asyncio.to_thread(front.dispatcher.confirm, routed, announced)
+    view = resp.headers.get(STORE_VIEW_HEADER)
+    if announced is not None and announced != routed.instance:  # it observes: not on the loop
+        return await asyncio.to_thread(front.dispatcher.confirm, routed, announced, view)
+    return front.dispatcher.confirm(routed, announced, view)
 
 
 async def _route(front: _Front, req: FrontRequest, rid: str, tried: frozenset[int]) -> Routed:

@@ -69,6 +69,12 @@ class StoreFollower:
         self.last_error: str | None = None
 
     @property
+    def view(self) -> str | None:
+        """The view the mirror holds, as a replica names the one it admitted a request on
+        (`STORE_VIEW_HEADER`): "<epoch>:<seq>"; None while not exact."""
+        return f"{self.epoch}:{self.seq}" if self.exact else None
+
+    @property
     def broken(self) -> str | None:
         return None if self.exact else (self.last_error or "not read yet")
 
