@@ -19,7 +19,8 @@ the manager), so a scrape sees the core's counters exactly: for any window,
 
 Per tier below the cache (label `tier`, and its KV events' `medium`) also
 kvreuse:kv_tier_hits_total (prompt tokens), kv_tier_loaded_blocks_total{group_kind},
-kv_tier_stored_blocks_total, kv_tier_evicted_blocks_total and kv_tier_blocks /
+kv_tier_stored_blocks_total, kv_tier_evicted_blocks_total, kv_tier_faulty_blocks_total
+(slots whose bytes failed: each a miss) and kv_tier_blocks /
 kv_tier_capacity_blocks (gauges); `external_*` and the tier families appear only with tiers,
 and the bytes only where an engine moves them. Every prompt-token counter counts first
 admissions, as prefix_cache_* do, so Σ prompt_tokens_by_source == prefix_cache_queries.
@@ -191,6 +192,11 @@ def _tiers(tiers: Mapping[str, Any], transfers: Mapping[str, int] | None) -> Ite
         "kv_tier_hits": ("Prompt tokens loaded from the tier (first admissions).", "hit_tokens"),
         "kv_tier_stored_blocks": ("Blocks copied into the tier.", "stored_blocks"),
         "kv_tier_evicted_blocks": ("Tier slots freed to make room.", "evicted_blocks"),
+        "kv_tier_faulty_blocks": (
+            "Tier slots whose bytes could not be read or written (absent, corrupt, another "
+            "block's, the store unavailable): each a miss, recomputed.",
+            "faulty_blocks",
+        ),
     }
     for name, (doc, key) in per_tier.items():
         fam = CounterMetricFamily(P + name, doc, labels=labels)
