@@ -141,6 +141,49 @@ def test_the_log_stays_bounded(url: str) -> None:
     assert state(late) == state(a)
 
 
+def test_the_log_stays_under_its_bound_over_20000_requests(url: str) -> None:
+    """Three servers, ten requests a turn, 2,000 turns: after every turn the log's entries
+    weigh at most max(snapshot, LOG_FLOOR) (the bound docs/tiers.md gives: a turn that would
+    pass it writes a snapshot and trims), Redis' own memory for the log stays within twice
+    that, and the snapshot stays within what the tier's capacity allows."""
+    import random
+
+    cfg = CacheConfig(num_blocks=64, groups=[GroupSpec(kind="full", block_size=4)])
+    capacity = 256
+    servers = []
+    for _ in range(3):
+        tier = SharedTier(TierSpec("store", capacity), cfg)
+        turns = StoreTurns(tier, redis_client(url, 1.0), "t")
+        servers.append((KVCacheManager(cfg, tiers=[tier]), turns))
+    rng = random.Random(1)
+    client, keys = servers[0][1].client, servers[0][1].keys
+    num_requests = worst_log = worst_memory = worst_snap = 0
+    for turn in range(2000):
+        mgr, turns = servers[turn % 3]
+        with turns.turn():
+            prompts = {}
+            for _ in range(10):
+                num_requests += 1
+                tokens = [rng.randrange(100) for _ in range(rng.randrange(1, 21))]
+                prompts[rid := f"r{num_requests}"] = tokens
+                mgr.add_request(Request(rid, tokens))
+                hit = mgr.lookup(rid)
+                mgr.allocate(rid, len(tokens) - hit.hit, lookup=hit)
+            outcome = {rid: (len(tokens), [0]) for rid, tokens in prompts.items()}
+            mgr.commit(mgr.seal_step().step_id, outcome)
+            for rid in prompts:
+                mgr.finish(rid)
+        snap = len(client.get(keys.snap) or b"")
+        logged = sum(len(f[b"e"]) for _, f in client.xrange(keys.log))
+        worst_log = max(worst_log, logged - max(snap, LOG_FLOOR))
+        worst_memory = max(worst_memory, client.memory_usage(keys.log) or 0)
+        worst_snap = max(worst_snap, snap)
+    assert num_requests == 20_000 and sum(t.num_snapshots for _, t in servers) > 10
+    assert worst_log <= 0
+    assert worst_memory <= 2 * max(worst_snap, LOG_FLOOR)
+    assert worst_snap <= capacity * 128  # one key per slot here: its index entry and its key
+
+
 def test_the_follower_is_exact_only_on_a_complete_current_view(url: str) -> None:
     a = Server(url)
     geo = resolve("tiny-hybrid-dcp4").cache.geometry

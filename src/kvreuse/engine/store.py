@@ -16,6 +16,7 @@ at its load, never used.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -165,9 +166,31 @@ class RedisBytes(MutableMapping[str, bytes]):
 
     def clear(self) -> None:
         """Delete every value kvreuse keeps in the server (and no other)."""
-        keys = [self.prefix + k for k in self]
+        self.clear_under("")
+
+    def clear_under(self, namespace: str) -> None:
+        """Delete the values whose keys start with `namespace` (one tier's: BytesTier.prefix)."""
+        match = self.prefix + namespace.replace("*", r"\*") + "*"
+        keys = list(self.client.scan_iter(match=match, count=1000))
         for i in range(0, len(keys), 1000):
             self.client.delete(*keys[i : i + 1000])
+
+
+def release_own_tiers(tiers: Sequence[tuple[TierSpec | SharedTier, object]]) -> None:
+    """Delete the bytes of the tiers that are this server's own (not shared) from their store:
+    at a clean shutdown, so that restarts do not leave their namespaces behind. A store that
+    fails to answer is left as it is (its values are never read again)."""
+    from kvreuse.engine.tiers import BytesTier
+
+    for spec, held in tiers:
+        if isinstance(held, BytesTier) and not isinstance(spec, SharedTier):
+            clear = getattr(held.store, "clear_under", None)
+            with contextlib.suppress(Exception):  # shutting down: nothing is worth a traceback
+                if clear is not None:
+                    clear(held.prefix)
+                else:
+                    for key in [k for k in held.store if k.startswith(held.prefix)]:
+                        del held.store[key]
 
 
 def bind_tiers(tiers: Sequence[tuple[TierSpec | SharedTier, object]], identity: str) -> None:

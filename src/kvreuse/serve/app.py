@@ -85,6 +85,7 @@ def create_app(
             engine.stop(timeout=10.0)
             if kv_events is not None:  # after the loop: it sends what the last steps queued
                 kv_events.close()
+            backend.close()
 
     app = FastAPI(title="kvreuse", version="0.1.0", lifespan=lifespan)
     app.state.engine, app.state.backend, app.state.lifecycle = engine, backend, life

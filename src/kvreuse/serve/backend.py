@@ -9,6 +9,7 @@ save at the end of a step only.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -136,6 +137,13 @@ class Backend:
     notes: tuple[str, ...] = ()  # what `kvreuse serve` should tell the operator at start
     transfers: Any = None  # the engine's `Transfers` (bytes moved to and from its tiers)
     store_turns: Any = None  # a shared store's `StoreTurns` (kvreuse.serve.store_turns)
+    on_close: Callable[[], None] | None = None  # at shutdown, after the step loop stopped
+
+    def close(self) -> None:
+        """The server is shutting down: drop what it alone kept outside itself (the bytes of
+        its own store tier)."""
+        if self.on_close is not None:
+            self.on_close()
 
     @property
     def store_journal(self) -> str | None:
@@ -255,7 +263,14 @@ def default_backend(
         notes=notes,
         transfers=llm.runner.transfers,
         store_turns=turns,
+        on_close=None if tiers is None else functools.partial(release_own, kwargs["tiers"]),
     )
+
+
+def release_own(tiers: list[tuple[TierSpec | SharedTier, Any]]) -> None:
+    from kvreuse.engine.store import release_own_tiers
+
+    release_own_tiers(tiers)
 
 
 def _engine_tiers(
