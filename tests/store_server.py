@@ -1,6 +1,6 @@
 """A Redis server for the tests that use a real shared store: started on a free loopback port
-in a temporary folder, stopped by its PID. Tests that need one skip, naming the install step,
-where no `redis-server` is installed."""
+in a temporary folder, stopped by its PID. Where no `redis-server` is installed, tests that need
+one skip, naming the install step (and fail under CI: tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
+from needs import missing
 
 INSTALL = "apt-get install redis-server (what .ci/run does)"
 
@@ -30,7 +30,7 @@ class RedisProcess:
     def __init__(self, folder: Path) -> None:
         self.exe = shutil.which("redis-server")
         if self.exe is None:
-            pytest.skip(f"no redis-server for the shared store tests: {INSTALL}")
+            missing("redis-server (the shared store's tests)", INSTALL)
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
         self.port = _free_port()

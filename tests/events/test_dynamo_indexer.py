@@ -48,9 +48,7 @@ assert _spec is not None and _spec.loader is not None
 prediction = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(prediction)
 
-pytestmark = pytest.mark.skipif(
-    not DYNAMO_PYTHON.exists(), reason=f"Dynamo's venv is absent: build it with `{SETUP}`"
-)
+pytestmark = pytest.mark.needs(DYNAMO_PYTHON.exists(), "Dynamo's indexer venv", SETUP)
 
 
 def workload() -> list[dict[str, object]]:

@@ -23,9 +23,8 @@ TRACES = [
     str(DATA / "mooncake_synthetic_excerpt.jsonl"),
 ]
 
-needs_mocker = pytest.mark.skipif(
-    not MOCKER_PYTHON.exists(),
-    reason="the mocker's venv is absent: build it with `bash benchmarks/mocker/setup_venv.sh`",
+needs_mocker = pytest.mark.needs(
+    MOCKER_PYTHON.exists(), "Dynamo's mocker venv", "bash benchmarks/mocker/setup_venv.sh"
 )
 
 

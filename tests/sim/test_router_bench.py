@@ -22,9 +22,8 @@ def _bench(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.skipif(
-    not MOCKER_PYTHON.exists(),
-    reason="the mocker's venv is absent: build it with `bash benchmarks/mocker/setup_venv.sh`",
+@pytest.mark.needs(
+    MOCKER_PYTHON.exists(), "Dynamo's mocker venv", "bash benchmarks/mocker/setup_venv.sh"
 )
 def test_both_sides_find_the_same_best_match_on_the_same_stream() -> None:
     proc = _bench("--replicas", "1,3", "--waves", "12", "--blocks", "256", "--rounds", "2")

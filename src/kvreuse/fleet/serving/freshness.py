@@ -86,9 +86,10 @@ class Freshness:
                     return
                 began, errors = member.finished, len(stream.errors)
             member.subscriber.catch_up(member.name, hold=self.lock)
-            member.caught_up = max(member.caught_up, began)
             if len(stream.errors) > errors:  # no answer: do not stall every decision on it
                 member.catch_up_paused_until = time.monotonic() + CATCH_UP_BACKOFF_S
+            else:  # only an answer covers the requests finished before it was asked
+                member.caught_up = max(member.caught_up, began)
         finally:
             member.checking.release()
 

@@ -103,7 +103,9 @@ def exit_status(code: int) -> str:
 
 
 def _say(line: str) -> None:
-    print(f"kvreuse fleet: {line}", file=sys.stderr, flush=True)
+    # one write, newline included: other threads (the front's log) write to the same stream
+    sys.stderr.write(f"kvreuse fleet: {line}\n")
+    sys.stderr.flush()
 
 
 @dataclass(frozen=True)
