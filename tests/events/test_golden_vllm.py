@@ -26,9 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm-anchor" / "bin" / "python"
 DRIVER = Path(__file__).with_name("vllm_driver.py")
 
-pytestmark = pytest.mark.skipif(
-    not VLLM_PYTHON.exists(),
-    reason="vLLM 0.33.0's venv is absent: build it with `bash benchmarks/vllm/setup_venv.sh`",
+pytestmark = pytest.mark.needs(
+    VLLM_PYTHON.exists(), "vLLM 0.33.0's venv", "bash benchmarks/vllm/setup_venv.sh"
 )
 
 

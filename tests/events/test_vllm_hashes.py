@@ -38,9 +38,8 @@ VLLM_PYTHON = ROOT / ".venv-vllm-anchor" / "bin" / "python"
 DRIVER = Path(__file__).with_name("vllm_hash_driver.py")
 BLOCK, NUM_BLOCKS, SEED = 4, 40, "4242"  # a small pool, so that blocks are also evicted
 
-pytestmark = pytest.mark.skipif(
-    not VLLM_PYTHON.exists(),
-    reason="vLLM 0.33.0's venv is absent: build it with `bash benchmarks/vllm/setup_venv.sh`",
+pytestmark = pytest.mark.needs(
+    VLLM_PYTHON.exists(), "vLLM 0.33.0's venv", "bash benchmarks/vllm/setup_venv.sh"
 )
 
 Spec = dict[str, Any]
