@@ -1,4 +1,6 @@
-"""Hypothesis profiles: `ci` (default, ≥ 500 examples per property) and `slow`.
+"""Hypothesis profiles: `ci` (default, 500 examples per property), `slow` (5,000) and `dev`
+(50); a property that declares a smaller share at `ci` depth scales with the profile too
+(tests/depth.py).
 
 Tests are grouped by what they need: `core/` only the core (and the test extra), `sim/` the
 simulator's plotting and progress packages, `engine/` torch, `serve/` the server stack. A folder

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from depth import scaled
 from kvreuse.core import hashing
 from kvreuse.core.hashing import (
     ENCODED_ALGOS,
@@ -326,7 +327,7 @@ items_st = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=scaled(150), deadline=None)
 @given(
     tokens=tokens_st,
     u=st.integers(1, 9),

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from depth import scaled
 from kvreuse.core import CacheConfig, ConfigError, GroupSpec, KVCacheManager, MultiModalItem, native
 from kvreuse.core.hashing import Hasher
 from kvreuse.core.hashing_cbor import block_extra_keys, block_hash, cbor, none_hash
@@ -158,7 +159,7 @@ def test_geometries_that_cannot_use_it_refuse_in_one_line(kwargs: dict, says: st
     assert says in str(e.value) and "\n" not in str(e.value)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=scaled(100), deadline=None)
 @given(
     tokens=st.lists(st.integers(0, 300_000), max_size=80),
     u=st.integers(1, 9),

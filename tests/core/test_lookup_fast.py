@@ -13,6 +13,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from depth import scaled
 from kvreuse import CacheConfig, GroupSpec, KVCacheManager
 from kvreuse.core import compute_lookup
 from kvreuse.core.kinds import full
@@ -61,7 +62,7 @@ def cases(draw: st.DrawFn) -> tuple[CacheConfig, list[int], list[list[int]], boo
     return cfg, tokens, states, draw(st.booleans()), first
 
 
-@settings(max_examples=300, deadline=2000)
+@settings(max_examples=scaled(300), deadline=2000)
 @given(cases())
 def test_lookup_matches_oracle_on_set_key_sets(
     case: tuple[CacheConfig, list[int], list[list[int]], bool, int],

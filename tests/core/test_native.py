@@ -23,6 +23,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from depth import scaled
 from kvreuse import MultiModalItem
 from kvreuse.core import native
 from kvreuse.core.encoding import TOKEN_TYPECODE, enc
@@ -167,7 +168,7 @@ def test_an_install_without_a_compiler_still_succeeds(
 
 # ------------------------------------------------------------------ the SHA-256 kernel
 @given(data=st.binary(max_size=300))
-@settings(max_examples=200)
+@settings(max_examples=scaled(200))
 def test_both_sha256_backends_are_sha256(data: bytes) -> None:
     ext = _ext()
     want = hashlib.sha256(data).digest()
@@ -197,7 +198,7 @@ def chains(draw: st.DrawFn) -> tuple[dict, list[int], list[int], dict]:
 
 
 @given(case=chains(), as_array=st.booleans())
-@settings(max_examples=300)
+@settings(max_examples=scaled(300))
 def test_the_kernel_chain_equals_the_python_chain(
     case: tuple[dict, list[int], list[int], dict], as_array: bool
 ) -> None:
@@ -224,7 +225,7 @@ def test_the_kernel_chain_equals_the_python_chain(
     tokens=st.lists(st.integers(0, 2**32 - 1), max_size=40),
     portable=st.booleans(),
 )
-@settings(max_examples=200)
+@settings(max_examples=scaled(200))
 def test_the_kernel_follows_the_definition(
     unit: int, la: int, tokens: list[int], portable: bool
 ) -> None:

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from depth import scaled
 from kvreuse import CacheConfig, GroupSpec, KVCacheManager, Request
 from kvreuse.core import native
 from kvreuse.core.ghost import Ghost, GhostRecord, new_ghost
@@ -118,7 +119,7 @@ def _histories(draw: st.DrawFn) -> tuple[int, int, list[tuple[Any, ...]]]:
 
 
 @given(history=_histories())
-@settings(max_examples=300, deadline=2000)
+@settings(max_examples=scaled(300), deadline=2000)
 def test_both_records_follow_the_rule_after_every_operation(
     history: tuple[int, int, list[tuple[Any, ...]]],
 ) -> None:

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from depth import scaled
 from harness import Driver, Engine
 from kvreuse import CacheConfig, GroupSpec, KVCacheManager, Request
 from kvreuse.core import native
@@ -56,7 +57,7 @@ def _play(cfg: CacheConfig, seed: int, rounds: int, ext: Any) -> tuple[Any, ...]
 
 
 @given(cfg=geometries(), seed=st.integers(0, 2**32 - 1), rounds=st.integers(1, 20))
-@settings(max_examples=150)
+@settings(max_examples=scaled(150))
 def test_both_paths_play_a_history_alike(cfg: CacheConfig, seed: int, rounds: int) -> None:
     """Random geometries (sub-page keys, several groups, small pools that evict, events) and
     histories (the property harness: every check of the oracle runs on both)."""
@@ -155,7 +156,7 @@ class OldestBatchFirst:
 
 
 @given(cfg=geometries(), seed=st.integers(0, 2**32 - 1), rounds=st.integers(1, 12))
-@settings(max_examples=60)
+@settings(max_examples=scaled(60))
 def test_a_custom_policy_runs_with_the_kernels_and_sees_what_the_python_loops_show(
     cfg: CacheConfig, seed: int, rounds: int
 ) -> None:

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from depth import scaled
 from kvreuse.core.config import CacheConfig, Geometry, GroupGeometry
 from kvreuse.core.config import GroupSpec as G
 from kvreuse.oracle import (
@@ -605,7 +606,9 @@ def scenarios(
     return g, query, bigger - fewer, bigger, gone
 
 
-PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPS = settings(
+    max_examples=scaled(150), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 REASONS = {
     "below_unit",
     "cap_reached",

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from replica import GEOMETRIES
 
+from depth import scaled
 from kvreuse.core import CacheConfig, GroupSpec, KVCacheManager, Request
 from kvreuse.events import Converter, ReplicaMirror
 from kvreuse.events.wire import BlockStored
@@ -81,7 +82,7 @@ class Followed:
 op = st.tuples(st.sampled_from(["start", "decode", "finish"]), st.integers(0, 5), st.integers(0, 9))
 
 
-@settings(max_examples=200)
+@settings(max_examples=scaled(200))
 @given(
     name=st.sampled_from(sorted(POOLS)),
     memo=st.sampled_from([1, 2, 8]),

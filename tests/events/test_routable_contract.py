@@ -29,6 +29,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from replica import GEOMETRIES as REPLICA_GEOMETRIES
 
+from depth import scaled
 from kvreuse.core import AllBlocksCleared as CoreCleared
 from kvreuse.core import BlockStored as CoreStored
 from kvreuse.core import (
@@ -290,7 +291,7 @@ def play_history(
     return history
 
 
-@settings(max_examples=300, deadline=timedelta(seconds=30))
+@settings(max_examples=scaled(300), deadline=timedelta(seconds=30))
 @example(  # two full-attention groups: a page the second one evicted stops the reuse
     name="two-full",
     num_blocks=24,

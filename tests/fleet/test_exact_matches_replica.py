@@ -23,6 +23,8 @@ from kvreuse.fleet.routing.router import Router
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "events"))
 from replica import GEOMETRIES as REPLICA_GEOMETRIES
 
+from depth import scaled
+
 # the events tests' geometries, in pools small enough that the histories evict
 GEOMETRIES = {
     name: replace(REPLICA_GEOMETRIES[name], num_blocks=num_blocks)
@@ -77,7 +79,7 @@ request = st.tuples(
 )
 
 
-@settings(max_examples=300, deadline=timedelta(seconds=20))
+@settings(max_examples=scaled(300), deadline=timedelta(seconds=20))
 @given(
     name=st.sampled_from(sorted(GEOMETRIES)),
     seed=st.integers(0, 2**16),

@@ -14,6 +14,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from depth import scaled
 from kvreuse import CacheConfig, GroupSpec
 from kvreuse.events import ReplicaMirror
 from kvreuse.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, hash64
@@ -49,7 +50,7 @@ operation = st.tuples(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=scaled(300), deadline=None)
 @given(
     cfg=configs(),
     num_replicas=st.integers(1, 5),

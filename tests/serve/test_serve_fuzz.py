@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from depth import scaled
 from kvreuse.serve import fake_backend
 from kvreuse.serve.app import create_app
 from kvreuse.serve.server import ServerThread
@@ -97,7 +98,7 @@ def _check(r: httpx.Response, stream: bool) -> None:
     [("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatRequest")],
 )
 @settings(
-    max_examples=150,
+    max_examples=scaled(150),
     deadline=timedelta(seconds=30),
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from depth import scaled
 from kvreuse.sched import ScriptedEngine
 from kvreuse.serve import fake_backend
 from kvreuse.serve.app import create_app
@@ -61,7 +62,7 @@ stop_lists = st.lists(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=scaled(300), deadline=None)
 @given(byte_runs, stop_lists, st.lists(st.integers(0, 64), max_size=8))
 def test_text_is_the_reference_however_tokens_are_grouped(
     data: bytes, stops: list[str], cuts: list[int]

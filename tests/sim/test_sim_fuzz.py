@@ -18,6 +18,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from depth import scaled
 from kvreuse.cli import main
 
 CASE_LIMIT_S = 10.0  # one case; the cases are small, so a case this slow is a hang
@@ -184,7 +185,7 @@ def run_case(geo: str, wl: str, cost: list[str]) -> tuple[int, str, str]:
 
 
 @settings(
-    max_examples=NUM_CASES,
+    max_examples=scaled(NUM_CASES),
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
