@@ -3,14 +3,15 @@
     routing/     what every fleet shares: a request hashed once (query), the five policies
                  (policy), `Router`: a mirror and a load per replica under one policy (router)
     simulation/  N simulated replicas on one clock (run: `simulate_fleet`), the workload on its
-                 way to the router (feed), a shared pool every replica reads (tier), hit rates,
-                 balance and predicted vs delivered (summary), `kvreuse simulate --replicas N`
-                 (cli)
+                 way to the router (feed), hit rates, balance and predicted vs delivered
+                 (summary), `kvreuse simulate --replicas N` (cli)
     serving/     a live fleet behind one OpenAI endpoint (docs/fleet-serving.md): the FastAPI
-                 front (front), replicas up and down and loads in flight (dispatch), relaying
-                 answers (forward), Prometheus series (metrics), time limits (deadlines),
-                 `kvreuse fleet` / `kvreuse route` (cli, serve_args), local replica processes
-                 (replicas)
+                 front (front), the routing state (dispatch), a replica as the front sees it
+                 (members), mirrors kept current without holding the routing lock across I/O
+                 (freshness), a shared store's view (store), relaying answers (forward),
+                 Prometheus series (metrics), time limits (deadlines), `kvreuse fleet` /
+                 `kvreuse route` (cli, serve_args, preflight), local replica processes
+                 (replicas) and their restarts (supervise)
     ray_serve/   the same front on Ray Serve (`ray` extra): the application (app), its
                  deployments (deploy), Ray's request-router API scoring by `Router` (router),
                  and what the two share (shared)
@@ -34,8 +35,9 @@ def check_policy(name: str) -> str:
 
 # How many prefill tokens one token of a replica's load (routing/router.py's rule) is worth in the
 # routing cost. Dynamo's KV router weighs them equally (1), but running tokens are mostly cached
-# context that costs no compute: on the workloads of docs/fleet.md 0.02 reuses within 0.2
-# points of ignoring load and spreads the routed tokens more evenly.
+# context that costs no compute: on the workloads of docs/fleet.md (its record,
+# docs/figures/fleet_load_weight.json) 0.02 reuses what ignoring load does, where 1 gives much
+# of the reuse away; load then decides between replicas that would reuse alike.
 DEFAULT_LOAD_WEIGHT = 0.02
 
 # Ray Serve's PrefixCacheAffinityRouter sends a request by prefix from a 10 % match.
