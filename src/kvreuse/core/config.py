@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from kvreuse.core.errors import ConfigError
-from kvreuse.core.hashing import HASH_ALGOS, algo_available
+from kvreuse.core.hashing import HASH_ALGOS, Hasher, algo_available
 from kvreuse.core.kinds import KINDS, GroupGeometry, Stage
 from kvreuse.core.kinds.base import check_int
 
@@ -117,6 +117,12 @@ class CacheConfig:
                 "the pool needs at least 2 (the null block and one usable block)"
             )
         return num
+
+    def hasher(self) -> Hasher:
+        """The hasher of a cache of this configuration (algorithm, unit, lookahead, seed): what a
+        manager hashes requests with, and what a router that mirrors one must hash with."""
+        geo = self._geometry
+        return Hasher(self.hash_algo, geo.hash_unit, geo.lookahead, self.hash_seed)
 
     def blocks_for_request(self, num_tokens: int, num_extra_slots: int = 0) -> int:
         """Upper bound of the blocks one request holds at any time (save blocks excluded)."""

@@ -32,7 +32,6 @@ from kvreuse.core.commit import (
 from kvreuse.core.config import CacheConfig
 from kvreuse.core.errors import StaleLookupError, UnknownRequestError
 from kvreuse.core.events import EventLog
-from kvreuse.core.hashing import Hasher
 from kvreuse.core.invariants import audit
 from kvreuse.core.ledger import PlanRecord, StepFate, StepLedger
 from kvreuse.core.lookup import LookupResult, compute_lookup
@@ -72,9 +71,7 @@ class KVCacheManager(Observed, TierTurns):
         self.geo = config.geometry
         self.events = EventLog(config.enable_events, config.max_pending_events)
         self.pool = BlockPool(config, self.events)
-        self.hasher = Hasher(
-            config.hash_algo, self.geo.hash_unit, self.geo.lookahead, config.hash_seed
-        )
+        self.hasher = config.hasher()
         self.ledger = StepLedger(self.geo)
         self.requests: dict[str, RequestState] = {}
         self.counters = new_counters()

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from kvreuse.core import (
@@ -44,7 +44,6 @@ from kvreuse.core import (
     Chain,
     Geometry,
     Hasher,
-    KVCacheManager,
     MultiModalItem,
     Stage,
 )
@@ -86,10 +85,8 @@ class Decision:
 
 
 def chain_hasher(config: CacheConfig) -> Hasher:
-    """The hasher a replica of `config` hashes requests with (algorithm, unit, lookahead, seed),
-    from a manager of the same configuration shrunk to two blocks: the hasher depends on none of
-    the sizes, and a router should not allocate a replica's pool to hash."""
-    return KVCacheManager(replace(config, num_blocks=2, enable_events=False)).hasher
+    """The hasher a replica of `config` hashes requests with (`CacheConfig.hasher`)."""
+    return config.hasher()
 
 
 class Router:
