@@ -124,6 +124,9 @@ def test_metrics_on_a_separate_listener() -> None:
         (["--metrics-port", "70000"], "--metrics-port must be a TCP port"),
         (["--max-body-bytes", "0"], "--max-body-bytes must be at least 1"),
         (["--drain-timeout", "0"], "--drain-timeout must be a number of seconds > 0"),
+        (["--num-blocks", "1G", "--port", "0"], "the limit is 16,777,216 blocks"),
+        (["--store-lease", "0", "--port", "0"], "--store-lease must be seconds in [0.05, 3600]"),
+        (["--store-url", "http://u:secret@h", "--store-capacity", "1K"], "u:***@h"),
     ],
 )
 def test_bad_serve_options_are_one_line_and_exit_2(
@@ -132,6 +135,7 @@ def test_bad_serve_options_are_one_line_and_exit_2(
     assert main(["serve", "--fake", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err and err.startswith("kvreuse serve: ")
+    assert "secret" not in err  # a password in a URL is never printed
 
 
 def test_a_busy_port_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,7 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from kvreuse.core import DEVICE_MEDIUM, KVCacheManager, SharedTier, TierSpec
-from kvreuse.deployment import Deployment, DeploymentSpec, load_geometry, resolve
+from kvreuse.deployment import (
+    Deployment,
+    DeploymentSpec,
+    check_num_blocks,
+    load_geometry,
+    resolve,
+)
 from kvreuse.sched import ContentTokens, Scheduler, ScriptedEngine
 from kvreuse.sim.args import HOST_TIER, with_tiers
 from kvreuse.tokenizer import ByteTokenizer, Tokenizer
@@ -192,6 +198,7 @@ def fake_backend(
     `tiers` below its cache (decided by the core; a fake model has no bytes to move)."""
     geo = load_geometry(FAKE_GEOMETRY, FAKE_NAME) if geometry is None else resolve(geometry)
     if num_blocks is not None:
+        check_num_blocks(num_blocks, "--num-blocks")  # as the engine's LLM checks it
         geo = replace(geo, cache=replace(geo.cache, num_blocks=num_blocks))
     below = [] if tiers is None else tiers.below(geo)
     if tiers is not None:
