@@ -24,6 +24,7 @@ from kvreuse.deployment import (
     PRESETS,
     Deployment,
     GeometryError,
+    blocks_for_capacity,
     check_num_blocks,
     preset,
     resolve,
@@ -155,7 +156,7 @@ def with_pool(geo: Deployment, num_blocks: int | None, capacity_tokens: int | No
     """`geo` with its pool resized: `num_blocks`, or the blocks `capacity_tokens` need (as the
     geometry file's keys of the same names; neither: as it is)."""
     if capacity_tokens is not None:
-        num_blocks = 1 + geo.cache.blocks_for_request(capacity_tokens)
+        num_blocks = blocks_for_capacity(geo.cache, capacity_tokens)
         because = f" (for --capacity-tokens {capacity_tokens:,})"
     elif num_blocks is None:
         return geo
