@@ -38,6 +38,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
 
 from kvreuse.deployment import geometry_toml
+from kvreuse.serve import defaults
 from kvreuse.serve.backend import Backend
 from kvreuse.serve.body import DEFAULT_MAX_BODY_BYTES, Disconnected, decode_json, read_body
 from kvreuse.serve.generate import Gen, check_model, check_prompt_length, prepare, run, submit
@@ -61,10 +62,10 @@ from kvreuse.serve.stream import GuardedStream, message, sse
 def create_app(
     backend: Backend,
     *,
-    max_pending: int = 256,
+    max_pending: int = defaults.MAX_PENDING,
     force_include_usage: bool = False,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    stream_stall_timeout: float = 30.0,
+    stream_stall_timeout: float = defaults.STREAM_STALL_S,
     admin_token: str | None = None,
     metrics_port: int | None = None,
     kv_events: EventSink | None = None,

@@ -18,12 +18,13 @@ from typing import Any
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 
+from kvreuse.serve import defaults
 from kvreuse.serve.protocol import ApiError
 
 log = logging.getLogger("kvreuse.serve")
 
 MAX_DEPTH = 64
-DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_MAX_BODY_BYTES = defaults.MAX_BODY_BYTES
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 

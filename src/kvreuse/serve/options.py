@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from kvreuse.events.options import add_arguments as add_kv_events
+from kvreuse.serve import defaults
 from kvreuse.serve.ops_options import add_arguments as add_operator_options
 from kvreuse.sim.args import add_tier_options, size
 
@@ -47,7 +48,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="how long a server's turn on a shared store lasts before the others may take it: "
         "a server paused longer finds its turn fenced out and its writes refused (default 10)",
     )
-    p.add_argument("--max-pending", type=int, default=256, help="requests in flight before 429")
+    p.add_argument(
+        "--max-pending",
+        type=int,
+        default=defaults.MAX_PENDING,
+        help="requests in flight before 429",
+    )
     p.add_argument("--fake", action="store_true", help="deterministic fake model (no torch)")
     p.add_argument(
         "--force-include-usage",
@@ -57,19 +63,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-body-bytes",
         type=int,
-        default=8 * 1024 * 1024,
+        default=defaults.MAX_BODY_BYTES,
         help="largest request body (413 beyond; default 8 MiB)",
     )
     p.add_argument(
         "--stream-stall-timeout",
         type=float,
-        default=30.0,
+        default=defaults.STREAM_STALL_S,
         help="seconds a stream may wait for a client that stopped reading",
     )
     p.add_argument(
         "--drain-timeout",
         type=float,
-        default=30.0,
+        default=defaults.DRAIN_TIMEOUT_S,
         help="on SIGTERM, seconds running requests get to finish",
     )
     add_operator_options(p, "/reset_prefix_cache")

@@ -21,9 +21,10 @@ from types import TracebackType
 import uvicorn
 from fastapi import FastAPI
 
+from kvreuse.serve import defaults
 from kvreuse.serve.lifecycle import Lifecycle
 
-DEFAULT_DRAIN_TIMEOUT = 30.0
+DEFAULT_DRAIN_TIMEOUT = defaults.DRAIN_TIMEOUT_S
 
 
 def bind(host: str, port: int) -> socket.socket:
