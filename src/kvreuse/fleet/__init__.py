@@ -40,5 +40,8 @@ def check_policy(name: str) -> str:
 # of the reuse away; load then decides between replicas that would reuse alike.
 DEFAULT_LOAD_WEIGHT = 0.02
 
+# Seconds between the front's health checks of its replicas (`--health-interval`).
+DEFAULT_HEALTH_INTERVAL_S = 2.0
+
 # Ray Serve's PrefixCacheAffinityRouter sends a request by prefix from a 10 % match.
 TEXT_MATCH_THRESHOLD = 0.1

@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvreuse.fleet import DEFAULT_LOAD_WEIGHT, POLICIES
+from kvreuse.fleet import DEFAULT_HEALTH_INTERVAL_S, DEFAULT_LOAD_WEIGHT, POLICIES
 from kvreuse.fleet.serving.deadlines import Deadlines
 from kvreuse.fleet.serving.serve_args import UsageError, replica_args, replica_spec
 from kvreuse.fleet.serving.supervise import RestartPolicy
@@ -62,7 +62,10 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="prefill tokens one token of a replica's load is worth (exact, attention-chain)",
     )
     p.add_argument(
-        "--health-interval", type=float, default=2.0, help="seconds between health checks"
+        "--health-interval",
+        type=float,
+        default=DEFAULT_HEALTH_INTERVAL_S,
+        help="seconds between health checks",
     )
     for flag, field, doc in DEADLINE_OPTIONS:
         p.add_argument(flag, type=float, default=getattr(Deadlines, field), help=doc)

@@ -53,6 +53,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
 
 from kvreuse.events.common import INSTANCE_HEADER, STORE_VIEW_HEADER
+from kvreuse.fleet import DEFAULT_HEALTH_INTERVAL_S
 from kvreuse.fleet.serving.deadlines import Deadlines
 from kvreuse.fleet.serving.dispatch import Dispatcher, Member, NoReplica, Routed
 from kvreuse.fleet.serving.forward import (
@@ -134,7 +135,7 @@ def create_front(
     *,
     models: list[dict[str, Any]] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    health_interval: float = 2.0,
+    health_interval: float = DEFAULT_HEALTH_INTERVAL_S,
     deadlines: Deadlines | None = None,
     admin_token: str | None = None,
     metrics_port: int | None = None,
