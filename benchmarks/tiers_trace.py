@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvreuse.sim.args import parse_size as args_parse_size
+from kvreuse.vocab import parse_size as args_parse_size
 
 KVREUSE = [sys.executable, "-m", "kvreuse"]
 

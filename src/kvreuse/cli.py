@@ -21,7 +21,7 @@ from typing import NoReturn
 from kvreuse.core import CacheConfig, KVCacheManager, Request
 from kvreuse.deployment import GeometryError, check_num_blocks, resolve
 from kvreuse.geometry_cli import add_geometry
-from kvreuse.sim.args import Help, size, size_list
+from kvreuse.vocab import Help, size, size_list
 
 
 def demo_config(num_blocks: int = 4096) -> CacheConfig:

@@ -1,7 +1,7 @@
 """The package layering of `src/kvreuse`, read from the source (every import, lazy ones too).
 
-    core ← (oracle, tokenizer, sched, events, hfconfig) ← deployment ← (sim, engine) ← serve
-        ← fleet ← qualify ← geometry_cli ← cli
+    core ← (oracle, tokenizer, sched, events, hfconfig, vocab) ← deployment ← tiering
+        ← (sim, engine) ← serve ← fleet ← qualify ← geometry_cli ← cli
 
 Each package imports only packages to its left, and only through `kvreuse.core`'s public names.
 (Import cycles are checked for all of src by tests/core/test_imports.py.)
@@ -22,8 +22,9 @@ SRC = Path(kvreuse.__file__).parent
 # The layers, bottom up: a package may import the packages of every layer below its own.
 LAYERS: list[set[str]] = [
     {"core"},
-    {"oracle", "tokenizer", "sched", "events", "hfconfig"},
+    {"oracle", "tokenizer", "sched", "events", "hfconfig", "vocab"},
     {"deployment"},
+    {"tiering"},
     {"sim", "engine"},
     {"serve"},
     {"fleet"},

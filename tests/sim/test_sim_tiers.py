@@ -13,11 +13,11 @@ import pytest
 
 from kvreuse.core import TierSpec
 from kvreuse.deployment import Deployment, preset
-from kvreuse.sim.args import with_tiers
 from kvreuse.sim.cli import with_pool
 from kvreuse.sim.generators import agent
 from kvreuse.sim.run import CostModel, simulate
 from kvreuse.sim.workload import load_workload
+from kvreuse.tiering import with_tiers
 
 AGENT = [json.dumps(x) for x in agent(8, 6, 64, 256, 32)]  # 8 sessions that outgrow the pool
 

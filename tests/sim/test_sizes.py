@@ -13,10 +13,10 @@ import pytest
 
 from kvreuse.cli import main
 from kvreuse.deployment import preset
-from kvreuse.sim.args import parse_size, percent, plural
 from kvreuse.sim.fit import check_fit, size_label
 from kvreuse.sim.run import simulate
 from kvreuse.sim.workload import load_workload
+from kvreuse.vocab import parse_size, percent, plural
 
 DATA = Path(__file__).parents[1] / "data"
 

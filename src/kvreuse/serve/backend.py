@@ -25,7 +25,7 @@ from kvreuse.deployment import (
     resolve,
 )
 from kvreuse.sched import ContentTokens, Scheduler, ScriptedEngine
-from kvreuse.sim.args import HOST_TIER, with_tiers
+from kvreuse.tiering import HOST_TIER, with_tiers
 from kvreuse.tokenizer import ByteTokenizer, Tokenizer
 
 FAKE_NAME = "fake-hybrid-dcp4"

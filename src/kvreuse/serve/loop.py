@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from kvreuse.core import Event, Request, StepPlan
-from kvreuse.serve import defaults
 from kvreuse.serve.backend import Backend
+from kvreuse.serve.defaults import MAX_PENDING
 
 log = logging.getLogger("kvreuse.serve")
 
@@ -117,10 +117,7 @@ class EngineLoop:
     """Runs `backend.scheduler` in a background thread; bounded by `max_pending` requests."""
 
     def __init__(
-        self,
-        backend: Backend,
-        max_pending: int = defaults.MAX_PENDING,
-        events: EventSink | None = None,
+        self, backend: Backend, max_pending: int = MAX_PENDING, events: EventSink | None = None
     ) -> None:
         self.backend = backend
         self.max_pending = max_pending

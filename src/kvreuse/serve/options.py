@@ -10,7 +10,7 @@ import argparse
 from kvreuse.events.options import add_arguments as add_kv_events
 from kvreuse.serve import defaults
 from kvreuse.serve.ops_options import add_arguments as add_operator_options
-from kvreuse.sim.args import add_tier_options, size
+from kvreuse.vocab import add_tier_options, size
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -29,7 +29,6 @@ from kvreuse.deployment import (
     preset,
     resolve,
 )
-from kvreuse.sim.args import Help, add_tier_options, number, size, with_tiers
 from kvreuse.sim.fit import check_fit, never_evicting_blocks
 from kvreuse.sim.progress import Progress
 from kvreuse.sim.report import PLOTS, summary_table, write_report
@@ -43,6 +42,8 @@ from kvreuse.sim.run import (
 )
 from kvreuse.sim.traces import add_trace_options, read_workload_arg
 from kvreuse.sim.workload import WorkloadError, WorkloadRequest
+from kvreuse.tiering import with_tiers
+from kvreuse.vocab import Help, add_tier_options, number, size
 
 DEFAULT_COST = CostModel()
 OUTPUTS = ("requests.jsonl", "summary.json", "report.md", *(f for f, _ in PLOTS))

@@ -22,6 +22,7 @@ from typing import Any
 from kvreuse.core import KVCacheManager, Request, StepPlan, TierOp, TierSpec
 from kvreuse.deployment import COST_LIMITS, Deployment, DeploymentSpec, cost_problem, resolve
 from kvreuse.sched import DecodeScript, Engine, FakeEngine, Scheduler, Seq
+from kvreuse.tiering import HOST_TIER
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +58,8 @@ class CostModel:
 
     def tier_rate(self, spec: TierSpec) -> tuple[float, float]:
         """(tokens per second, seconds per step that loads) of a tier: the host's rates for
-        the tier named "host", the store's for any other."""
-        if spec.name == "host":
+        the host's tier, the store's for any other."""
+        if spec.name == HOST_TIER:
             return self.host_tokens_per_s, self.host_step_s
         return self.store_tokens_per_s, self.store_step_s
 

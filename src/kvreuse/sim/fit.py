@@ -13,9 +13,9 @@ from typing import Any
 
 from kvreuse.core import Geometry
 from kvreuse.deployment import Deployment
-from kvreuse.sim.args import plural
 from kvreuse.sim.feed import Arrivals, static_length
 from kvreuse.sim.workload import WorkloadError, WorkloadRequest
+from kvreuse.vocab import plural
 
 
 def min_blocks(geo: Geometry, num_tokens: int) -> int:

@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvreuse.sim.args import percent, plural
 from kvreuse.sim.run import SimResult
 from kvreuse.sim.tally import REPORT_ROWS, KindTotals, Tally
+from kvreuse.vocab import percent, plural
 
 PLOTS = (
     ("cached_vs_prompt.png", "cached vs prompt tokens"),

@@ -24,11 +24,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvreuse.deployment import MAX_NUM_BLOCKS, Deployment, blocks_for_capacity, check_num_blocks
-from kvreuse.sim.args import parse_size, with_tiers
 from kvreuse.sim.cost import CostModel
 from kvreuse.sim.fit import request_lengths, unlimited_blocks
 from kvreuse.sim.run import SimulationError, simulate
 from kvreuse.sim.workload import WorkloadError, WorkloadRequest
+from kvreuse.tiering import HOST_TIER, STORE_TIER, with_tiers
+from kvreuse.vocab import parse_size
 
 MAX_CAPACITY = 10**15  # far beyond any pool: a larger value is a typo
 # Blocks of the pools of the cases running at once (each in its own process on this machine):
@@ -77,7 +78,7 @@ class TierSetup:
     @property
     def label(self) -> str:
         """'device only', 'host 30M', 'host 10M + store 20M'."""
-        sizes = (("host", self.host_tokens), ("store", self.store_tokens))
+        sizes = ((HOST_TIER, self.host_tokens), (STORE_TIER, self.store_tokens))
         parts = [f"{name} {capacity_label(n)}" for name, n in sizes if n is not None]
         return " + ".join(parts) or "device only"
 
@@ -90,7 +91,7 @@ def parse_tier_setup(text: str) -> TierSetup:
     for part in text.split(","):
         name, sep, value = part.partition("=")
         name = name.strip().lower()
-        if not sep or name not in ("host", "store") or name in sizes:
+        if not sep or name not in (HOST_TIER, STORE_TIER) or name in sizes:
             raise ValueError(
                 f"{text!r}: give none, or host=N and/or store=N once each, "
                 "comma-separated (host=10M,store=20M)"
@@ -99,7 +100,7 @@ def parse_tier_setup(text: str) -> TierSetup:
             sizes[name] = parse_size(value, 1, MAX_CAPACITY)
         except ValueError as exc:
             raise ValueError(f"{text!r}: {name} {exc}") from None
-    return TierSetup(sizes.get("host"), sizes.get("store"))
+    return TierSetup(sizes.get(HOST_TIER), sizes.get(STORE_TIER))
 
 
 @dataclass(frozen=True)

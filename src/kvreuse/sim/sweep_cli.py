@@ -24,7 +24,6 @@ from typing import Any
 
 from kvreuse.core import ConfigError
 from kvreuse.deployment import Deployment, GeometryError, resolve
-from kvreuse.sim.args import Help, add_tier_options, int_range, plural
 from kvreuse.sim.cli import clear_outputs, prepare_out
 from kvreuse.sim.cost import CostModel
 from kvreuse.sim.progress import Progress
@@ -41,6 +40,7 @@ from kvreuse.sim.sweep import (
 )
 from kvreuse.sim.traces import add_trace_options, read_workload_arg
 from kvreuse.sim.workload import WorkloadError
+from kvreuse.vocab import Help, add_tier_options, int_range, plural
 
 DEFAULT_CAPACITIES = "1M,3M,10M,50M,inf"
 PLOTS = ("hit_rate_vs_capacity.png", "prefill_time.png")

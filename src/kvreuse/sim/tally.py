@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kvreuse.sim.args import percent, plural
+from kvreuse.vocab import percent, plural
 
 MAX_KINDS = 20  # rows of the summary table; more kinds share an "(other)" row
 REPORT_ROWS = 100  # per-request rows in report.md (requests.jsonl has every one)

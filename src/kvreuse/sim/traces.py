@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvreuse.sim.args import number, plural
 from kvreuse.sim.jsonl import LineError, json_lines
 from kvreuse.sim.workload import (
     MAX_ARRIVAL_S,
@@ -42,6 +41,7 @@ from kvreuse.sim.workload import (
     load_objects,
     read_workload,
 )
+from kvreuse.vocab import number, plural
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from kvreuse.deployment import GeometryError
-from kvreuse.sim.args import Help, int_range, number, size, size_list
 from kvreuse.sim.generators import GENERATORS
 from kvreuse.sim.traces import FORMATS, ImportOptions, ImportStats, import_trace
 from kvreuse.sim.workload import MAX_BLOCK_TOKENS, MAX_TOKENS_PER_REQUEST, WorkloadError
+from kvreuse.vocab import Help, int_range, number, size, size_list
 
 MAX_COUNT = 1_000_000  # requests, sessions, turns, sequences, repeats
 

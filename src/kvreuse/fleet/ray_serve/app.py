@@ -23,7 +23,7 @@ from types import FrameType
 from typing import Any
 
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT, POLICIES, check_policy
-from kvreuse.sim.args import Help, size
+from kvreuse.vocab import Help, size
 
 
 def build_app(

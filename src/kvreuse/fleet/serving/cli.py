@@ -27,7 +27,7 @@ from kvreuse.fleet.serving.deadlines import Deadlines
 from kvreuse.fleet.serving.serve_args import UsageError, replica_args, replica_spec
 from kvreuse.fleet.serving.supervise import RestartPolicy
 from kvreuse.serve import ops_options
-from kvreuse.sim.args import Help, int_range, size
+from kvreuse.vocab import Help, int_range, size
 
 MAX_REPLICAS = 64
 DEADLINE_OPTIONS = (  # (flag, Deadlines field, help)

@@ -195,16 +195,11 @@ def replica_tiers(serve_args: list[str]) -> tuple[list[str], str | None]:
     store it shares with the other replicas (None when it shares none)."""
     import argparse
 
-    from kvreuse.core import TierSpec
     from kvreuse.serve.options import serve_parser
-    from kvreuse.sim.args import HOST_TIER, STORE_TIER
+    from kvreuse.tiering import tier_media
 
     opts, _ = serve_parser(argparse.ArgumentParser).parse_known_args(serve_args)
-    media = [
-        TierSpec(name, 1, medium="CPU" if name == HOST_TIER else "").medium
-        for name, tokens in ((HOST_TIER, opts.host_capacity), (STORE_TIER, opts.store_capacity))
-        if tokens is not None
-    ]
+    media = tier_media(opts.host_capacity, opts.store_capacity)
     return media, opts.store_url if opts.store_shared else None
 
 

@@ -35,7 +35,6 @@ from kvreuse.deployment import (
     GeometryError,
 )
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT, POLICIES, TEXT_MATCH_THRESHOLD
-from kvreuse.sim.args import STORE_TIER, int_range, number
 from kvreuse.sim.cli import (
     check_fit_first,
     clear_outputs,
@@ -46,6 +45,8 @@ from kvreuse.sim.cost import CostModel
 from kvreuse.sim.progress import Progress
 from kvreuse.sim.run import SimulationError
 from kvreuse.sim.workload import WorkloadError, WorkloadRequest
+from kvreuse.tiering import STORE_TIER
+from kvreuse.vocab import int_range, number
 
 INTERRUPTED = 130
 MAX_REPLICAS = 1024

@@ -56,11 +56,11 @@ from kvreuse.fleet.simulation.summary import (
     too_large,
 )
 from kvreuse.sched import FakeEngine, FastForward, Scheduler, Seq, StepStats
-from kvreuse.sim.args import STORE_TIER
 from kvreuse.sim.blockchains import BlockChains
 from kvreuse.sim.cost import CostMeter, CostModel
 from kvreuse.sim.run import SimulationError
 from kvreuse.sim.workload import WorkloadRequest
+from kvreuse.tiering import STORE_TIER
 
 Row = dict[str, Any]
 

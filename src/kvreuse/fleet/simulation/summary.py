@@ -16,8 +16,8 @@ from typing import Any
 from kvreuse.core import KVCacheManager, TierSpec
 from kvreuse.events import ReplicaMirror, hash64
 from kvreuse.sched import Seq
-from kvreuse.sim.args import percent, plural
 from kvreuse.sim.cost import CostMeter
+from kvreuse.vocab import percent, plural
 
 NAMED_TOO_LARGE = 10
 

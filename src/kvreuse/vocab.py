@@ -1,5 +1,7 @@
 """The command line's shared vocabulary: argparse types for counts, numbers and sizes, the help
-formatter every command uses, and how reports write a share and a count.
+formatter every command uses, how reports write a share and a count, and the tier options that
+`kvreuse simulate`, `sweep` and `serve` share. It imports nothing of kvreuse, so that every
+command's parser (and the server's) can use it without the simulator.
 
 A size is a count of tokens or blocks, written as traces and papers write them: `4096`,
 `1_000_000`, `3M`, `1.5G` (K, M, G, T: decimal 10^3 … 10^12) and, where an option allows it,
@@ -13,14 +15,8 @@ import argparse
 import math
 import re
 from collections.abc import Callable
-from dataclasses import replace
 from decimal import Decimal, InvalidOperation
-from typing import TYPE_CHECKING, Any
-
-from kvreuse.core import Admission, TierSpec
-
-if TYPE_CHECKING:
-    from kvreuse.deployment import Deployment
+from typing import Any
 
 UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 UNLIMITED = ("inf", "unlimited")
@@ -189,27 +185,3 @@ def add_tier_options(p: Any, where: str) -> None:
         "as soon as it is computed (write-through: replicas sharing the store then find a "
         "prefix another replica still holds)",
     )
-
-
-HOST_TIER, STORE_TIER = "host", "store"  # a fleet's replicas share the store (docs/tiers.md)
-
-
-def with_tiers(
-    geo: Deployment,
-    host_tokens: int | None,
-    store_tokens: int | None,
-    store_admission: str = "on-eviction",
-) -> Deployment:
-    """`geo` with a host and/or store tier, each sized in blocks as a pool of that many
-    tokens would be (the null block aside); the host's KV events say "CPU", as vLLM's. The
-    store admits every kind by `store_admission` (`--store-admission`)."""
-    rule = Admission(store_admission.replace("-", "_"))
-    tiers = [
-        TierSpec(name, geo.cache.blocks_for_request(tokens), medium=medium, default=default)
-        for name, medium, tokens, default in (
-            (HOST_TIER, "CPU", host_tokens, Admission.ON_EVICTION),
-            (STORE_TIER, "", store_tokens, rule),
-        )
-        if tokens is not None
-    ]
-    return replace(geo, tiers=(*geo.tiers, *tiers)) if tiers else geo
