@@ -107,6 +107,19 @@ def test_each_package_imports_only_packages_to_its_left() -> None:
     assert not bad, "; ".join(bad)
 
 
+def test_the_server_and_the_engine_import_nothing_of_the_simulator() -> None:
+    """What a command line and a server share (kvreuse.vocab, kvreuse.tiering) lives below the
+    simulator: running a server does not load it."""
+    bad = [
+        f"{rel}:{line} imports {name}"
+        for rel, package, tree in _modules()
+        if package in ("serve", "engine")
+        for line, name in _imports(tree, _dotted(rel))
+        if name == "kvreuse.sim" or name.startswith("kvreuse.sim.")
+    ]
+    assert bad == []
+
+
 def test_the_facade_without_torch_lists_no_engine_names() -> None:
     """A core-only install: `import kvreuse`, `dir()` and star-import work; kvreuse.LLM says
     what is missing."""
