@@ -67,42 +67,30 @@ def test_status_and_decisions_do_not_wait_for_a_slow_replay(tmp_path: Path) -> N
 
 
 class _SlowFollower:
-    """A store follower whose journal read waits until `release` is set."""
-
-    def __init__(self, mirror: StoreMirror) -> None:
-        self.mirror = mirror
-        self.reading, self.release = threading.Event(), threading.Event()
-
-    def sync(self) -> int:
-        self.reading.set()
-        assert self.release.wait(10)
-        return 0
-
-
-class _SplitFollower(_SlowFollower):
-    """One that reads (`fetch`) apart from applying (`apply_fetched`)."""
+    """A store follower whose read (`fetch`) waits until `release` is set, and that records
+    whether each apply (`apply_fetched`) held the routing lock `lock`."""
 
     def __init__(self, mirror: StoreMirror, lock: threading.Lock) -> None:
-        super().__init__(mirror)
-        self.lock = lock
+        self.mirror, self.lock = mirror, lock
+        self.reading, self.release = threading.Event(), threading.Event()
         self.applied: list[tuple[list[str], bool]] = []
 
     def fetch(self) -> list[str]:
         assert not self.lock.locked()
-        self.sync()
+        self.reading.set()
+        assert self.release.wait(10)
         return ["entry"]
 
     def apply_fetched(self, entries: list[str]) -> None:
         self.applied.append((entries, self.lock.locked()))
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["sync", "fetch-then-apply"])
-def test_status_does_not_wait_for_a_slow_store(tmp_path: Path, split: bool) -> None:
+def test_status_does_not_wait_for_a_slow_store(tmp_path: Path) -> None:
     store = StoreMirror(CFG.geometry, "STORE")
     dispatcher = Dispatcher(CFG, "exact", tiers=["STORE"], store=store)
     dispatcher.add("r0", "http://127.0.0.1:9", f"ipc://{tmp_path}/e0")
     lock = dispatcher._lock  # the routing lock itself: the apply must hold it
-    follower = _SplitFollower(store, lock) if split else _SlowFollower(store)
+    follower = _SlowFollower(store, lock)
     following = threading.Thread(target=dispatcher.follow_store, args=(follower,))
     try:
         following.start()
@@ -114,5 +102,4 @@ def test_status_does_not_wait_for_a_slow_store(tmp_path: Path, split: bool) -> N
     finally:
         follower.release.set()
         dispatcher.close()
-    if isinstance(follower, _SplitFollower):
-        assert follower.applied == [(["entry"], True)]
+    assert follower.applied == [(["entry"], True)]

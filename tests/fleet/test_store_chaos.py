@@ -34,7 +34,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -324,7 +324,9 @@ def run_chaos(tmp: Path, plan: list[str], seed: int, env: dict[str, str]) -> Rep
     return Report(answers, cold, pids, after, faults, lines)
 
 
-def act(step: str, store: Any, server: RedisProcess, dump: Path, traffic: Any) -> None:
+def act(
+    step: str, store: Any, server: RedisProcess, dump: Path, traffic: Callable[[int], None]
+) -> None:
     """One fault of the store itself (`traffic(n)`: n requests, while it lasts)."""
     import redis
 

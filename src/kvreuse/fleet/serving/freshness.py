@@ -13,10 +13,7 @@ is asked outside it and its answer applied under it (`ReplicaStream.check`), one
 replica at a time (`Member.checking`, taken before the routing lock, and never while holding it
 but for a try that does not wait), so a status read, another decision and the health loop never
 wait for a replica. The store's journal is read outside the routing lock, by one thread at a
-time; with a follower that splits its read (`fetch()`, then `apply_fetched(entries)`) only the
-apply runs under the lock; one that offers only `sync()` applies outside it: a decision may
-then see an entry half applied (a prediction a moment stale; the store mirror is dicts that a
-decision reads by key, which writes from another thread cannot break).
+time (`StoreFollower.fetch()`), and what was read is applied under it (`apply_fetched`).
 """
 
 from __future__ import annotations
@@ -94,18 +91,12 @@ class Freshness:
             member.checking.release()
 
     def sync_store(self) -> None:
-        """Read the shared store's journal and apply it. The read runs outside the routing
-        lock, one reader at a time (two would read the same entries): with a follower that
-        splits it, `fetch()` and then `apply_fetched(entries)` under the lock; else `sync()`."""
+        """Read the shared store's journal (outside the routing lock, one reader at a time: two
+        would read the same entries) and apply it under the lock."""
         follower = self.follower
         if follower is None:
             return
         with self._store_io:
-            fetch = getattr(follower, "fetch", None)
-            apply = getattr(follower, "apply_fetched", None)
-            if fetch is None or apply is None:
-                follower.sync()
-                return
-            entries = fetch()
+            fetched = follower.fetch()
             with self.lock:
-                apply(entries)
+                follower.apply_fetched(fetched)
