@@ -86,7 +86,7 @@ def test_bad_fleet_runs_are_one_line(
     assert code == (1 if "exceed" in message else 2)
     lines = err.strip().splitlines()
     if "exceed" in message:  # a pool the user chose: said before the run, which goes on
-        assert "8 of 12 requests can never fit tiny-hybrid-dcp4's pool" in lines.pop(0)
+        assert "12 of 12 requests can never fit tiny-hybrid-dcp4's pool" in lines.pop(0)
     assert len(lines) == 1 and lines[0].startswith("kvreuse simulate: ")
     assert message in err
 

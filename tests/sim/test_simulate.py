@@ -169,8 +169,8 @@ def test_a_prompt_larger_than_the_cache_is_named_not_a_reconciliation_failure(
     # pool is the file's own choice, so the run goes on after saying so (a preset's is refused)
     assert err == [
         f"kvreuse simulate: 2 of 3 requests can never fit {geo}'s pool (64 blocks, 1,008 tokens) "
-        "and would be refused; the largest, after, computes 20,001 tokens: --capacity-tokens "
-        "20.1K fits every request (inf: a pool that never evicts)",
+        "and would be refused; the largest, after, holds 1,251 blocks at its peak: "
+        "--capacity-tokens 20.1K fits every request (inf: a pool that never evicts)",
         "kvreuse simulate: 2 requests exceed the cache (capacity 1,008 tokens): big, after; "
         "raise num_blocks or shorten them",
     ]

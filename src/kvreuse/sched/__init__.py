@@ -14,6 +14,7 @@ from kvreuse.sched.engine import (
     TokenSource,
     token_at,
 )
+from kvreuse.sched.fit import peak_blocks
 from kvreuse.sched.scheduler import Engine, Scheduler, Seq, StepStats
 
 __all__ = [
@@ -31,5 +32,6 @@ __all__ = [
     "Seq",
     "StepStats",
     "TokenSource",
+    "peak_blocks",
     "token_at",
 ]

@@ -26,6 +26,7 @@ from typing import Any
 
 from kvreuse.core import KVCacheManager, Request, RequestStats, StepPlan
 from kvreuse.sched.config import SchedulerConfig
+from kvreuse.sched.fit import peak_blocks
 
 
 @dataclass(eq=False, slots=True)
@@ -95,13 +96,6 @@ class Scheduler:
         # a store shared with other processes: each step and abort is one turn over it
         # (kvreuse.serve.store_turns); None: no such tier
         self.turn: Callable[[], AbstractContextManager[None]] | None = None
-        geo = mgr.config.geometry
-        # per group, what a request of N tokens must hold at once, at least (its kind's
-        # `min_blocks_held`: every page of a full-attention group, one page of a window group, a
-        # recurrent group's live state and scratch). Exact for full attention; the rest are
-        # lower bounds, so no request that could run is ever refused (one that still cannot fit
-        # is caught when it preempts itself, alone in the batch).
-        self._groups = geo.groups
         self._usable_blocks = mgr.config.num_blocks - 1  # the null block is never handed out
 
     # ------------------------------------------------------------------ requests
@@ -122,8 +116,7 @@ class Scheduler:
         num = len(request.prompt_token_ids)
         seq = Seq(request, max_tokens, num, num, sampling=sampling)
         seq.stop_token_ids = frozenset(stop_token_ids)
-        # Its last step computes at least prompt + max_tokens − 1 tokens (more with drafts).
-        seq.too_large = self.min_blocks(num + max_tokens - 1) > self._usable_blocks
+        seq.too_large = self.peak_blocks(num, max_tokens) > self._usable_blocks
         self.seqs[seq.request_id] = seq
         self.waiting.append(seq)
         return seq
@@ -148,9 +141,10 @@ class Scheduler:
             raise ValueError(f"pop_finished: request {request_id!r} has not finished")
         return self.seqs.pop(request_id)
 
-    def min_blocks(self, num_tokens: int) -> int:
-        """A lower bound of the blocks a request must hold at once to compute `num_tokens`."""
-        return sum(g.min_blocks_held(num_tokens) for g in self._groups)
+    def peak_blocks(self, num_prompt: int, max_tokens: int) -> int:
+        """The most blocks such a request holds at once, alone in this pool (kvreuse.sched.fit):
+        one more than `num_usable_blocks` and it is refused."""
+        return peak_blocks(self.mgr.config.geometry, self.config, num_prompt, max_tokens)
 
     @property
     def num_usable_blocks(self) -> int:

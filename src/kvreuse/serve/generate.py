@@ -142,12 +142,13 @@ def _max_tokens(backend: Backend, num_prompt: int, max_tokens: int | None) -> in
             param="max_tokens",
             code="context_length_exceeded",
         )
-    cfg = backend.mgr.config
-    need = cfg.blocks_for_request(num_prompt + n)
-    if need > cfg.num_blocks - 1:
+    sched = backend.scheduler  # its config and the pool's size only: both frozen
+    need = sched.peak_blocks(num_prompt, n)
+    if need > sched.num_usable_blocks:
         raise ApiError(
             400,
-            f"the request needs {need} KV blocks; the cache has {cfg.num_blocks - 1}",
+            f"the request needs {need} KV blocks at its peak; the cache has "
+            f"{sched.num_usable_blocks}",
             param="max_tokens",
         )
     return n

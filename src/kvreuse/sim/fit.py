@@ -1,8 +1,8 @@
 """Whether a workload's requests fit a pool, found before the run: the scheduler refuses a
-request whose full-attention pages for prompt + max_tokens − 1 outnumber the pool's usable
-blocks (`Scheduler.add`), and every such request is known from the workload's lengths alone.
-A run on a preset's own pool that would refuse some is refused up front with the capacity
-that fits them; on a pool the user chose, the run is told about them first and goes on.
+request whose peak (`kvreuse.sched.fit`) exceeds the pool's usable blocks, and every such
+request is known from the workload's lengths alone. A run on a preset's own pool that would
+refuse some is refused up front with the capacity that fits them; on a pool the user chose,
+the run is told about them first and goes on.
 """
 
 from __future__ import annotations
@@ -11,37 +11,32 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from kvreuse.core import Geometry
+from kvreuse.core import CacheConfig
 from kvreuse.deployment import Deployment
+from kvreuse.sched import peak_blocks
 from kvreuse.sim.feed import Arrivals, static_length
 from kvreuse.sim.workload import WorkloadError, WorkloadRequest
 from kvreuse.vocab import plural
-
-
-def min_blocks(geo: Geometry, num_tokens: int) -> int:
-    """The scheduler's lower bound of the blocks a request computing `num_tokens` holds at
-    once: every page of a full-attention group, one page of a window group, a recurrent
-    group's live state and scratch (`Scheduler.min_blocks`)."""
-    return sum(g.min_blocks_held(num_tokens) for g in geo.groups)
 
 
 @dataclass(frozen=True)
 class Fit:
     num_requests: int
     num_too_large: int  # requests the pool can never hold, even alone
-    largest_tokens: int  # the most tokens one request computes (prompt + max_tokens − 1)
+    largest_blocks: int  # the highest peak of one request (kvreuse.sched.fit)
     largest_id: str
 
     def message(self, dep: Deployment) -> str:
-        """'10 of 3,993 requests do not fit attention-16's pool …: --capacity-tokens 164K …'."""
+        """'10 of 3,993 requests can never fit attention-16's pool …: --capacity-tokens 164K
+        fits every request …'."""
         cap = dep.cache.capacity_tokens()
         pool = plural(dep.cache.num_blocks, "block") + (f", {plural(cap, 'token')}" if cap else "")
+        fitting = capacity_for(dep.cache, self.largest_blocks)
         return (
             f"{self.num_too_large:,} of {plural(self.num_requests, 'request')} can never fit "
             f"{dep.name}'s pool ({pool}) and would be refused; the largest, {self.largest_id}, "
-            f"computes {self.largest_tokens:,} tokens: --capacity-tokens "
-            f"{size_label(self.largest_tokens)} fits every request (inf: a pool that never "
-            "evicts)"
+            f"holds {plural(self.largest_blocks, 'block')} at its peak: --capacity-tokens "
+            f"{size_label(fitting)} fits every request (inf: a pool that never evicts)"
         )
 
 
@@ -53,12 +48,19 @@ def check_fit(dep: Deployment, workload: list[WorkloadRequest]) -> Fit:
     usable = dep.cache.num_blocks - 1  # the null block is never handed out
     num_too_large, largest, largest_id = 0, 0, ""
     for w, bound in zip(workload, request_lengths(workload), strict=True):
-        n = bound - 1  # prompt + max_tokens − 1: the last step computes that many
-        if min_blocks(geo, n) > usable:
+        peak = peak_blocks(geo, dep.sched, bound - w.max_tokens, w.max_tokens)
+        if peak > usable:
             num_too_large += 1
-        if n > largest:
-            largest, largest_id = n, w.request_id
+        if peak > largest:
+            largest, largest_id = peak, w.request_id
     return Fit(len(workload), num_too_large, largest, largest_id)
+
+
+def capacity_for(cache: CacheConfig, num_blocks: int) -> int:
+    """The smallest --capacity-tokens whose pool (`blocks_for_capacity`) has `num_blocks`
+    usable blocks: one token more than the largest capacity of a pool one block short."""
+    below = cache.capacity_tokens(num_blocks)  # the most tokens num_blocks − 1 usable hold
+    return 1 if below is None else below + 1
 
 
 def size_label(n: int) -> str:

@@ -181,10 +181,6 @@ class GroupGeometry:
         (save blocks excluded)."""
         raise NotImplementedError
 
-    def min_blocks_held(self, num_tokens: int) -> int:
-        """A lower bound of the blocks a request computing `num_tokens` holds at once."""
-        raise NotImplementedError
-
     def admission_blocks(self, hit: int, top: int) -> int:
         """The fresh blocks an admission with hit `hit` pops to cover [0, top) (9.5)."""
         raise NotImplementedError

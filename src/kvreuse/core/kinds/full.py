@@ -33,9 +33,6 @@ class FullAttention(PagedGroup):
     shardable = True
     wire_kind = "full_attention"
 
-    def min_blocks_held(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)  # every page: exact
-
     def probe(self, keys: Container[bytes], hashes: list[bytes], u: int, nu: int) -> Probe:
         return FullProbe(self, keys, hashes, u, nu)
 

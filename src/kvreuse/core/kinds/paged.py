@@ -44,10 +44,6 @@ class PagedGroup(GroupGeometry):
     def blocks_held(self, num_tokens: int, kappa: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def min_blocks_held(self, num_tokens: int) -> int:
-        """One page: the window's. (A kind whose tokens attend to everything says more.)"""
-        return 1
-
     def admission_blocks(self, hit: int, top: int) -> int:
         """Pages above the hit, and a copy destination for a partial hit page still needed."""
         B = self.page_size

@@ -38,9 +38,6 @@ class StateGroup(GroupGeometry):
     def blocks_held(self, num_tokens: int, kappa: int) -> int:
         return 2 + self.scratch + kappa  # live, scratch, held rolling states (κ + 1)
 
-    def min_blocks_held(self, num_tokens: int) -> int:
-        return 1 + self.scratch
-
     def admission_blocks(self, hit: int, top: int) -> int:
         return 1 + self.scratch  # live and scratch
 
