@@ -43,7 +43,7 @@ from kvreuse.sim.run import (
 from kvreuse.sim.traces import add_trace_options, read_workload_arg
 from kvreuse.sim.workload import WorkloadError, WorkloadRequest
 from kvreuse.tiering import with_tiers
-from kvreuse.vocab import Help, add_tier_options, number, size
+from kvreuse.vocab import Help, add_num_blocks, add_tier_options, number, size
 
 DEFAULT_COST = CostModel()
 OUTPUTS = ("requests.jsonl", "summary.json", "report.md", *(f for f, _ in PLOTS))
@@ -75,13 +75,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--out", type=Path, required=True, help="output folder (created if missing)")
     pool = p.add_mutually_exclusive_group()
-    pool.add_argument(
-        "--num-blocks",
-        type=size(2, 2**63 - 1),
-        default=None,
-        metavar="N",
-        help="the pool, in blocks, the null block included (default: the geometry's)",
-    )
+    add_num_blocks(pool, "the pool, in blocks, the null block included (default: the geometry's)")
     pool.add_argument(
         "--capacity-tokens",
         type=size(1, 2**63 - 1, unlimited=True),

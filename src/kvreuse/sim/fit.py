@@ -7,7 +7,6 @@ that fits them; on a pool the user chose, the run is told about them first and g
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +14,7 @@ from kvreuse.core import Geometry
 from kvreuse.deployment import Deployment
 from kvreuse.sim.feed import Arrivals, static_length
 from kvreuse.sim.workload import WorkloadError, WorkloadRequest
-from kvreuse.vocab import plural
+from kvreuse.vocab import plural, size_at_least
 
 
 def min_blocks(geo: Geometry, num_tokens: int) -> int:
@@ -40,7 +39,7 @@ class Fit:
             f"{self.num_too_large:,} of {plural(self.num_requests, 'request')} can never fit "
             f"{dep.name}'s pool ({pool}) and would be refused; the largest, {self.largest_id}, "
             f"computes {self.largest_tokens:,} tokens: --capacity-tokens "
-            f"{size_label(self.largest_tokens)} fits every request (inf: a pool that never "
+            f"{size_at_least(self.largest_tokens)} fits every request (inf: a pool that never "
             "evicts)"
         )
 
@@ -59,18 +58,6 @@ def check_fit(dep: Deployment, workload: list[WorkloadRequest]) -> Fit:
         if n > largest:
             largest, largest_id = n, w.request_id
     return Fit(len(workload), num_too_large, largest, largest_id)
-
-
-def size_label(n: int) -> str:
-    """`n` rounded up to three significant digits, in the sizes the options read: 163,839 →
-    '164K', 3,000,000 → '3M', 900 → '900'."""
-    for unit, scale in (("G", 10**9), ("M", 10**6), ("K", 10**3)):
-        if n >= scale:
-            digits = max(0, 3 - len(str(n // scale)))
-            step = 10**digits
-            value = math.ceil(n * step / scale) / step
-            return f"{value:g}{unit}"
-    return str(n)
 
 
 def never_evicting_blocks(dep: Deployment, workload: list[WorkloadRequest]) -> int:

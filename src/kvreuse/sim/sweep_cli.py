@@ -31,7 +31,6 @@ from kvreuse.sim.sweep import (
     CaseError,
     Row,
     TierSetup,
-    capacity_label,
     cases_for,
     parse_capacities,
     parse_tier_setup,
@@ -40,7 +39,7 @@ from kvreuse.sim.sweep import (
 )
 from kvreuse.sim.traces import add_trace_options, read_workload_arg
 from kvreuse.sim.workload import WorkloadError
-from kvreuse.vocab import Help, add_tier_options, int_range, plural
+from kvreuse.vocab import Help, add_tier_options, exact_size, int_range, plural
 
 DEFAULT_CAPACITIES = "1M,3M,10M,50M,inf"
 PLOTS = ("hit_rate_vs_capacity.png", "prefill_time.png")
@@ -234,7 +233,7 @@ def _verdict(rows: list[Row]) -> int:
 def _name(row: Row) -> str:
     tiers = row.get("tier_setup", "device only")
     where = "" if tiers == "device only" else f" ({tiers})"
-    return f"{row['geometry']} at {capacity_label(row['capacity_tokens'])}{where}"
+    return f"{row['geometry']} at {exact_size(row['capacity_tokens'])}{where}"
 
 
 def _write(
@@ -249,7 +248,7 @@ def _write(
     doc = {
         "workload": str(args.workload),
         "geometries": [{"geometry": label, "cost": _cost_fields(geo)} for label, geo in geometries],
-        "capacities": [capacity_label(c) for c in capacities],
+        "capacities": [exact_size(c) for c in capacities],
         "interrupted": interrupted,
         # the sweep's own wall time (the cases' wall_s add up to more with --jobs > 1)
         "elapsed_s": round(elapsed_s, 3),
@@ -311,7 +310,7 @@ def sweep_table(rows: list[Row]) -> list[str]:
         out = [("geometry", r["geometry"])]
         out += [("tiers", r["tier_setup"])] if tiered else []
         out += [
-            ("capacity", capacity_label(r["capacity_tokens"])),
+            ("capacity", exact_size(r["capacity_tokens"])),
             ("blocks", f"{r['num_blocks']:,}"),
             ("hit rate", f"{100 * r['hit_rate']:.1f} %"),
             ("Σ cached", f"{r['cached_tokens']:,}"),

@@ -23,7 +23,7 @@ from types import FrameType
 from typing import Any
 
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT, POLICIES, check_policy
-from kvreuse.vocab import Help, size
+from kvreuse.vocab import Help, add_num_blocks
 
 
 def build_app(
@@ -102,9 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--geometry", default=None, help="preset or TOML file of every replica")
     p.add_argument("--model", default=None, help="replicas: model directory (default: tiny)")
     p.add_argument("--fake", action="store_true", help="replicas: deterministic fake model")
-    p.add_argument(
-        "--num-blocks", type=size(2, 2**40), default=None, help="each replica's pool, in blocks"
-    )
+    add_num_blocks(p, "each replica's pool, in blocks")
     p.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of a new local cluster")
     p.add_argument("--host", default="127.0.0.1", help="where Ray Serve's HTTP proxy listens")

@@ -27,7 +27,7 @@ from kvreuse.fleet.serving.deadlines import Deadlines
 from kvreuse.fleet.serving.serve_args import UsageError, replica_args, replica_spec
 from kvreuse.fleet.serving.supervise import RestartPolicy
 from kvreuse.serve import ops_options
-from kvreuse.vocab import Help, int_range, size
+from kvreuse.vocab import Help, add_num_blocks, int_range
 
 MAX_REPLICAS = 64
 DEADLINE_OPTIONS = (  # (flag, Deadlines field, help)
@@ -86,9 +86,7 @@ def _add_fleet(sub: Any) -> None:
     p.add_argument("--geometry", default=None, help="preset or TOML file of every replica")
     p.add_argument("--model", default=None, help="replicas: model directory (default: tiny)")
     p.add_argument("--fake", action="store_true", help="replicas: deterministic fake model")
-    p.add_argument(
-        "--num-blocks", type=size(2, 2**40), default=None, help="replicas' cache, in blocks"
-    )
+    add_num_blocks(p, "replicas' cache, in blocks")
     p.add_argument("--max-pending", type=int_range(1, 2**31), default=None, help="per replica")
     p.add_argument(
         "--start-timeout", type=float, default=180.0, help="seconds the replicas get to start"

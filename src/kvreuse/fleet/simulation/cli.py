@@ -28,12 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreuse.core import ConfigError
-from kvreuse.deployment import (
-    BYTES_PER_CACHED_BLOCK,
-    MAX_NUM_BLOCKS,
-    Deployment,
-    GeometryError,
-)
+from kvreuse.deployment import Deployment, GeometryError
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT, POLICIES, TEXT_MATCH_THRESHOLD
 from kvreuse.sim.cli import (
     check_fit_first,
@@ -46,7 +41,7 @@ from kvreuse.sim.progress import Progress
 from kvreuse.sim.run import SimulationError
 from kvreuse.sim.workload import WorkloadError, WorkloadRequest
 from kvreuse.tiering import STORE_TIER
-from kvreuse.vocab import int_range, number
+from kvreuse.vocab import int_range, number, too_many_blocks
 
 INTERRUPTED = 130
 MAX_REPLICAS = 1024
@@ -123,14 +118,10 @@ def _check_fleet(args: argparse.Namespace, dep: Deployment, policies: list[str])
     # Every replica's pool is built at once in this process: the ceiling of one pool bounds
     # them together (64 replicas of the largest pool would need 190 GB).
     per, total = dep.cache.num_blocks, args.replicas * dep.cache.num_blocks
-    if total > MAX_NUM_BLOCKS:
-        gb = total * BYTES_PER_CACHED_BLOCK / 1e9
-        raise GeometryError(
-            f"{args.replicas} replicas × {per:,} blocks = {total:,} blocks in all is too large: "
-            f"their bookkeeping alone would need about {gb:,.1f} GB ({BYTES_PER_CACHED_BLOCK} "
-            f"bytes per cached block); the limit is {MAX_NUM_BLOCKS:,} blocks in all "
-            "(lower --num-blocks or --replicas)"
-        )
+    what = f"{args.replicas} replicas × {per:,} blocks = {total:,} blocks in all"
+    problem = too_many_blocks(total, what, whose="their")
+    if problem is not None:
+        raise GeometryError(f"{problem} in all (lower --num-blocks or --replicas)")
     for policy in policies:
         make_policy(policy, dep.cache.geometry)
 
