@@ -187,8 +187,12 @@ def test_bad_input_is_one_line_and_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], fragment: str
 ) -> None:
     wl = _workload(tmp_path)
-    assert main(["sweep", str(wl), "--out", str(tmp_path / "o"), "--quiet", *extra]) == 2
+    try:
+        code = main(["sweep", str(wl), "--out", str(tmp_path / "o"), "--quiet", *extra])
+    except SystemExit as exc:  # refused as the option is read
+        code = exc.code
     err = capsys.readouterr().err
+    assert code == 2
     assert err.startswith("kvreuse sweep: ") and fragment in err and err.count("\n") == 1
 
 

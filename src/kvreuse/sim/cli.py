@@ -29,6 +29,7 @@ from kvreuse.deployment import (
     preset,
     resolve,
 )
+from kvreuse.sched import DRAFT_ACCEPT_RATE
 from kvreuse.sim.fit import check_fit, never_evicting_blocks
 from kvreuse.sim.progress import Progress
 from kvreuse.sim.report import PLOTS, summary_table, write_report
@@ -113,13 +114,18 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="take every step through the scheduler (the reference path; same results, slower)",
     )
+    add_draft_accept_rate(p)
+    p.set_defaults(func=run)
+
+
+def add_draft_accept_rate(p: Any) -> None:
+    """`--draft-accept-rate P` of `kvreuse simulate` and `sweep`: the fake engine's acceptance."""
     p.add_argument(
         "--draft-accept-rate",
         type=number(0, 1),
-        default=0.7,
+        default=DRAFT_ACCEPT_RATE,
         help="with num_spec_tokens > 0: probability that each draft token is accepted",
     )
-    p.set_defaults(func=run)
 
 
 def _fail(message: object, code: int = 2) -> int:

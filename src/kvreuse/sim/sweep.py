@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvreuse.deployment import Deployment, blocks_for_capacity, check_num_blocks
+from kvreuse.sched import DRAFT_ACCEPT_RATE
 from kvreuse.sim.cost import CostModel
 from kvreuse.sim.fit import request_lengths, unlimited_blocks
 from kvreuse.sim.run import SimulationError, simulate
@@ -193,7 +194,7 @@ def run_cases(
     cases: list[Case],
     workload: list[WorkloadRequest],
     jobs: int,
-    draft_accept_rate: float = 0.7,
+    draft_accept_rate: float = DRAFT_ACCEPT_RATE,
     on_case: OnCase | None = None,
     done: list[Row] | None = None,
 ) -> list[Row]:
@@ -261,7 +262,7 @@ def run_cases_on_ray(
     cases: list[Case],
     workload: list[WorkloadRequest],
     address: str | None,
-    draft_accept_rate: float = 0.7,
+    draft_accept_rate: float = DRAFT_ACCEPT_RATE,
     on_case: OnCase | None = None,
     done: list[Row] | None = None,
 ) -> list[Row]:

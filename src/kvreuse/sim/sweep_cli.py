@@ -24,7 +24,7 @@ from typing import Any
 
 from kvreuse.core import ConfigError
 from kvreuse.deployment import Deployment, GeometryError, resolve
-from kvreuse.sim.cli import clear_outputs, prepare_out
+from kvreuse.sim.cli import add_draft_accept_rate, clear_outputs, prepare_out
 from kvreuse.sim.cost import CostModel
 from kvreuse.sim.progress import Progress
 from kvreuse.sim.sweep import (
@@ -99,12 +99,7 @@ def add_parser(sub: Any) -> None:
         help="run the cases as Ray tasks: on the cluster at ADDRESS, or a local one "
         "(needs pip install 'kvreuse[ray]')",
     )
-    p.add_argument(
-        "--draft-accept-rate",
-        type=float,
-        default=0.7,
-        help="with num_spec_tokens > 0: probability that each draft token is accepted",
-    )
+    add_draft_accept_rate(p)
     add_tier_options(p, "every case's pool")
     p.add_argument(
         "--tiers",
@@ -156,8 +151,6 @@ def _setups(args: argparse.Namespace) -> tuple[TierSetup, ...]:
 
 def _check_options(args: argparse.Namespace) -> None:
     """Everything that can be found out before a case runs."""
-    if not 0 <= args.draft_accept_rate <= 1:
-        raise ValueError(f"--draft-accept-rate must be in [0, 1], got {args.draft_accept_rate}")
     if args.ray is not None and find_spec("ray") is None:
         raise ValueError(
             "--ray needs the ray package, which is not installed: pip install 'kvreuse[ray]'"

@@ -29,7 +29,8 @@ from typing import Any
 
 from kvreuse.core import ConfigError
 from kvreuse.deployment import Deployment, GeometryError
-from kvreuse.fleet import DEFAULT_LOAD_WEIGHT, POLICIES, TEXT_MATCH_THRESHOLD
+from kvreuse.fleet import POLICIES, TEXT_MATCH_THRESHOLD
+from kvreuse.fleet.options import add_load_weight
 from kvreuse.sim.cli import (
     check_fit_first,
     clear_outputs,
@@ -76,12 +77,7 @@ def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
         "router hears only the replicas' device events (as a router that reads no medium "
         "field), not their tiers'",
     )
-    g.add_argument(
-        "--load-weight",
-        type=number(0, 1e9),
-        default=DEFAULT_LOAD_WEIGHT,
-        help="routing cost: prefill tokens one token of a replica's load is worth",
-    )
+    add_load_weight(g, "routing cost: prefill tokens one token of a replica's load is worth")
     g.add_argument(
         "--text-match-threshold",
         type=number(0, 1),
