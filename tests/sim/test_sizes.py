@@ -234,6 +234,8 @@ def test_a_size_to_suggest_rounds_up() -> None:
         "1.01K",
         "1.24G",
     ]
+    for n in (1, 999, 1001, 163_839, 999_999, 1_000_001, 87_570, 2**24, 10**9 + 1):
+        assert parse_size(size_at_least(n), 1, 10**12) >= n  # a suggestion that suffices
 
 
 def test_a_share_that_is_not_all_never_prints_as_100_percent() -> None:
