@@ -428,13 +428,13 @@ def _sweep_conversation(saved: str | None = None) -> tuple[str, dict[str, Any]]:
     )
     if saved is None:
         raise SystemExit("figures: run the commands, then record sweep_conversation --from DIR")
-    from kvreuse.sim.sweep import capacity_label
+    from kvreuse.vocab import exact_size
 
     doc = json.loads((Path(saved) / "sweep.json").read_text(encoding="utf-8"))
     values: dict[str, Any] = {}
     for case in doc["cases"]:
         name = Path(case["geometry"]).stem.removeprefix("hybrid-dcp4-")
-        pre = f"{name}.{capacity_label(case['capacity_tokens'])}"
+        pre = f"{name}.{exact_size(case['capacity_tokens'])}"
         for key, v in case.items():
             if isinstance(v, int | float) and not isinstance(v, bool):
                 values[f"{pre}.{key}"] = v
@@ -453,13 +453,13 @@ def _tiers_sweep(saved: str | None = None) -> tuple[str, dict[str, Any]]:
     )
     if saved is None:
         raise SystemExit("figures: run the command, then record tiers_sweep --from DIR")
-    from kvreuse.sim.sweep import capacity_label
+    from kvreuse.vocab import exact_size
 
     doc = json.loads((Path(saved) / "sweep.json").read_text(encoding="utf-8"))
     values: dict[str, Any] = {}
     for case in doc["cases"]:
         setup = case["tier_setup"].replace("device only", "device").replace(" ", "")
-        pre = f"{setup}.{capacity_label(case['capacity_tokens'])}"
+        pre = f"{setup}.{exact_size(case['capacity_tokens'])}"
         values[f"{pre}.hit_rate"] = case["hit_rate"]
         values[f"{pre}.ttft_p50_s"] = case["ttft_p50_s"]
         tiers = case.get("tiers", {})

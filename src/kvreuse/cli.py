@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from kvreuse.core import CacheConfig, KVCacheManager, Request
-from kvreuse.deployment import GeometryError, check_num_blocks, resolve
+from kvreuse.deployment import resolve
 from kvreuse.geometry_cli import add_geometry
-from kvreuse.vocab import Help, size, size_list
+from kvreuse.vocab import Help, add_num_blocks, size, size_list
 
 
 def demo_config(num_blocks: int = 4096) -> CacheConfig:
@@ -214,16 +214,6 @@ def _cmd_qualify(args: argparse.Namespace) -> int:
     return qualify_main(args)
 
 
-def _num_blocks(text: str) -> int:
-    """--num-blocks: an integer ≥ 2 whose pool fits a machine (one usage line otherwise)."""
-    value = size(2, 2**63 - 1)(text)  # the null block and at least one more
-    try:
-        check_num_blocks(value, "--num-blocks")
-    except GeometryError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
-
-
 def _add_qualify(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "qualify",
@@ -238,11 +228,8 @@ def _add_qualify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="in-process server: model directory")
     p.add_argument("--geometry", default=None, help="in-process server: preset or TOML file")
     p.add_argument("--fake", action="store_true", help="in-process server: fake model")
-    p.add_argument(
-        "--num-blocks",
-        type=_num_blocks,
-        default=None,
-        help="in-process server: cache size (default: 192, 48 with --quick; small enough to fill)",
+    add_num_blocks(
+        p, "in-process server: cache size (default: 192, 48 with --quick; small enough to fill)"
     )
     p.add_argument(
         "--max-fill-tokens",

@@ -40,16 +40,12 @@ from typing import Any
 from kvreuse.core import CacheConfig, ConfigError, GroupSpec, TierSpec
 from kvreuse.hfconfig import model_geometry
 from kvreuse.sched import SchedulerConfig
+from kvreuse.vocab import too_many_blocks
 
 CACHE_KEYS = {f.name for f in fields(CacheConfig) if f.init} - {"groups", "eviction_policy"}
 SCHED_KEYS = {f.name for f in fields(SchedulerConfig)} | {"max_model_len"}
 GROUP_KEYS = {f.name for f in fields(GroupSpec)}
 
-# The largest pool a deployment may ask for. The pool keeps about 70 bytes of bookkeeping per
-# block from the start and about 177 once a block holds a cached entry (benchmarks/core_bench.py),
-# so 2**24 blocks stay near 3 GB; a typo such as num_blocks = 10**9 would need 177 GB.
-MAX_NUM_BLOCKS = 2**24
-BYTES_PER_CACHED_BLOCK = 177
 TOML_INT_LIMIT = 2**63  # TOML integers are signed 64-bit; tomllib accepts any size
 
 
@@ -312,14 +308,11 @@ def _check_values(name: str, where: str, table: dict[str, Any], kinds: dict[str,
 
 
 def check_num_blocks(num_blocks: int, where: str, because: str = "") -> None:
-    """Refuse a pool whose bookkeeping alone would not fit a machine (GeometryError)."""
-    if num_blocks > MAX_NUM_BLOCKS:
-        gb = num_blocks * BYTES_PER_CACHED_BLOCK / 1e9
-        raise GeometryError(
-            f"{where}: num_blocks = {num_blocks:,}{because} is too large: the pool's bookkeeping "
-            f"alone would need about {gb:,.1f} GB ({BYTES_PER_CACHED_BLOCK} bytes per cached "
-            f"block); the limit is {MAX_NUM_BLOCKS:,} blocks"
-        )
+    """Refuse a pool whose bookkeeping alone would not fit a machine (GeometryError; the rule
+    is `kvreuse.vocab.too_many_blocks`, which `--num-blocks` applies as it is read)."""
+    problem = too_many_blocks(num_blocks, f"{where}: num_blocks = {num_blocks:,}{because}")
+    if problem is not None:
+        raise GeometryError(problem)
 
 
 def blocks_for_capacity(cache: CacheConfig, capacity_tokens: int) -> int:

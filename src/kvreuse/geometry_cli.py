@@ -11,6 +11,7 @@ from pathlib import Path
 from kvreuse.core import GroupGeometry
 from kvreuse.deployment import PRESETS, geometry_toml, load_geometry, resolve
 from kvreuse.hfconfig import GeometryOptions, model_geometry
+from kvreuse.vocab import MAX_SIZE, add_num_blocks, size
 
 
 def _cmd_geometry(args: argparse.Namespace) -> int:
@@ -102,8 +103,11 @@ def add_geometry(sub: argparse._SubParsersAction) -> None:
         help="from-model: the recurrent group's M (default: the attention page)",
     )
     p.add_argument(
-        "--capacity-tokens", type=int, default=16384, help="from-model: pool for N tokens"
+        "--capacity-tokens",
+        type=size(1, MAX_SIZE),
+        default=16384,
+        help="from-model: pool for N tokens",
     )
-    p.add_argument("--num-blocks", type=int, default=None, help="from-model: pool size in blocks")
+    add_num_blocks(p, "from-model: pool size in blocks")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="from-model: budget")
     p.set_defaults(func=_cmd_geometry)

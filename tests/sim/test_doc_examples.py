@@ -8,12 +8,17 @@ what it is: `bash` (run; every command must succeed), `python` (run as a script)
 geometry file, which must load), `text` (output, diagrams, formulas: not run, except its
 `$ COMMAND` lines, which are). An HTML comment on the line above a fence, one per line, may say:
 
-    <!-- doc-test: skip: REASON -->        not run, and why (a server, an optional venv)
+    <!-- doc-test: skip: REASON -->        not run, and why (a server that waits for requests,
+                                           data the repository does not hold)
     <!-- doc-test: sub: OLD => NEW -->     run with OLD replaced by NEW (small inputs for a
                                            heavy command; the doc names the full one)
     <!-- doc-test: before: COMMAND -->     a shell command run first (a file the text assumes)
     <!-- doc-test: file: NAME -->          toml: written to NAME for the blocks after it
     <!-- doc-test: needs: MODULE EXTRA --> skipped, naming the extra, where MODULE is missing
+    <!-- doc-test: venv: NAME SCRIPT -->    run with the venv NAME of the repository root beside
+                                           it (`NAME/bin/python` as printed); where it is absent,
+                                           skipped naming SCRIPT, which builds it, and failed
+                                           under CI, which builds it (tests/needs.py)
     <!-- doc-test: timeout: SECONDS -->    a longer limit than the default
 """
 
@@ -29,10 +34,14 @@ from pathlib import Path
 
 import pytest
 
+from needs import missing
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 KINDS = {"bash", "python", "toml", "text"}
-DIRECTIVE = re.compile(r"^\s*<!-- doc-test: (skip|sub|before|file|needs|timeout): (.*?) -->\s*$")
+DIRECTIVE = re.compile(
+    r"^\s*<!-- doc-test: (skip|sub|before|file|needs|venv|timeout): (.*?) -->\s*$"
+)
 FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
 TIMEOUT_S = 120
 
@@ -48,6 +57,7 @@ class Block:
     before: list[str] = field(default_factory=list)
     file: str | None = None
     needs: list[tuple[str, str]] = field(default_factory=list)
+    venvs: list[tuple[str, str]] = field(default_factory=list)  # (NAME, SCRIPT)
     timeout: int = TIMEOUT_S
 
     @property
@@ -100,6 +110,10 @@ def _directive(block: Block, name: str, value: str) -> None:
     elif name == "needs":
         module, _, extra = value.partition(" ")
         block.needs.append((module, extra))
+    elif name == "venv":
+        venv, _, script = value.partition(" ")
+        assert script, f"{block.where}: venv needs NAME SCRIPT"
+        block.venvs.append((venv, script))
     else:
         block.timeout = int(value)
 
@@ -177,7 +191,13 @@ def test_the_block_runs_as_printed(
     for module, extra in block.needs:
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"needs {module}: pip install -e '.[{extra}]'")
+    for venv, script in block.venvs:
+        if not (ROOT / venv / "bin" / "python").exists():
+            missing(f"{venv} (for {block.where})", f"bash {script}")
     work = _workdir(block.doc, workdirs, tmp_path_factory)
+    for venv, _ in block.venvs:
+        if not (work / venv).exists():
+            (work / venv).symlink_to(ROOT / venv, target_is_directory=True)
     for command in block.before:
         _run(["bash", "-euo", "pipefail", "-c", command], work, block)
     if block.kind == "bash":

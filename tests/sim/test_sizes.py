@@ -13,10 +13,10 @@ import pytest
 
 from kvreuse.cli import main
 from kvreuse.deployment import preset
-from kvreuse.sim.fit import check_fit, size_label
+from kvreuse.sim.fit import check_fit
 from kvreuse.sim.run import simulate
 from kvreuse.sim.workload import load_workload
-from kvreuse.vocab import parse_size, percent, plural
+from kvreuse.vocab import exact_size, parse_size, parse_sizes, percent, plural, size_at_least
 
 DATA = Path(__file__).parents[1] / "data"
 
@@ -168,14 +168,71 @@ def test_the_check_before_the_run_names_what_the_run_refuses(name: str) -> None:
     assert 0 < fit.num_too_large == refused
 
 
-def test_a_size_label_rounds_up() -> None:
-    assert [size_label(n) for n in (163_839, 3_000_000, 900, 1001, 1_234_567_890)] == [
+def test_an_exact_size_reads_back_as_itself() -> None:
+    """Bounds in messages and the capacities a sweep names: the value, never rounded."""
+    assert [exact_size(n) for n in (10**6, 1500, 8192, 2 * 10**9, 10**15, 2**24, 1_234_567)] == [
+        "1M",
+        "1.5K",
+        "8.192K",
+        "2G",
+        "1,000T",
+        "16,777,216",
+        "1,234,567",
+    ]
+    assert exact_size(None) == "inf"
+    for n in (0, 1, 999, 1000, 1001, 999_999, 1_050_000, 2**40, 2**63 - 1, 10**15 + 10**12):
+        written = exact_size(n).replace(",", "")  # the separators are for reading only
+        assert parse_size(written, 0, 2**63 - 1) == n, written
+
+
+def test_comma_separated_sizes_are_read_one_way() -> None:
+    """`--lengths`, `--capacity`: each item as a size; an empty or repeated one is refused."""
+    assert parse_sizes(" 1.5k , 2G,8192, inf", 1, 10**15, unlimited=True) == [
+        1500,
+        2 * 10**9,
+        8192,
+        None,
+    ]
+    with pytest.raises(ValueError, match="got ''"):
+        parse_sizes("1K,,2K", 1, 10**6)
+    with pytest.raises(ValueError, match="'1000' is given twice"):
+        parse_sizes("1K,1000", 1, 10**6)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["simulate", "--geometry", "attention-16", "w.jsonl", "--out", "o"],
+        ["serve", "--fake"],
+        ["qualify"],
+        ["fleet", "--replicas", "2", "--fake"],
+        ["geometry", "from-model", "model"],
+    ],
+)
+def test_num_blocks_is_read_one_way_by_every_command(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One declaration: past the pool's ceiling, or below 2, one line at parse time."""
+    for value, fragment in (
+        ("1G", "--num-blocks: 1,000,000,000 blocks is too large: the pool's bookkeeping"),
+        ("1", "--num-blocks: must be a whole number in 2 … 16,777,216"),
+    ):
+        with pytest.raises(SystemExit) as info:
+            main([*argv, "--num-blocks", value])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert info.value.code == 2 and len(err) == 1 and fragment in err[0], err
+
+
+def test_a_size_to_suggest_rounds_up() -> None:
+    assert [size_at_least(n) for n in (163_839, 3_000_000, 900, 1001, 1_234_567_890)] == [
         "164K",
         "3M",
         "900",
         "1.01K",
         "1.24G",
     ]
+    for n in (1, 999, 1001, 163_839, 999_999, 1_000_001, 87_570, 2**24, 10**9 + 1):
+        assert parse_size(size_at_least(n), 1, 10**12) >= n  # a suggestion that suffices
 
 
 def test_a_share_that_is_not_all_never_prints_as_100_percent() -> None:

@@ -15,8 +15,9 @@ from kvreuse.cli import main
 from kvreuse.deployment import geometry_toml, load_geometry, preset
 from kvreuse.sim import sweep, sweep_cli
 from kvreuse.sim.generators import agent, shared_prefix
-from kvreuse.sim.sweep import Case, capacity_label, parse_capacities, percentile
+from kvreuse.sim.sweep import Case, parse_capacities, percentile
 from kvreuse.sim.workload import load_workload
+from kvreuse.vocab import exact_size
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -33,7 +34,7 @@ def _workload(tmp_path: Path) -> Path:
 def test_capacities_are_decimal_token_counts() -> None:
     assert parse_capacities("1M,3M,10M,50M,inf") == [10**6, 3 * 10**6, 10**7, 5 * 10**7, None]
     assert parse_capacities(" 1.5k , 2G,8192, unlimited") == [1500, 2 * 10**9, 8192, None]
-    assert [capacity_label(c) for c in (10**6, 1500, 2 * 10**9, 8192, None)] == [
+    assert [exact_size(c) for c in (10**6, 1500, 2 * 10**9, 8192, None)] == [
         "1M",
         "1.5K",
         "2G",
@@ -186,8 +187,12 @@ def test_bad_input_is_one_line_and_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], fragment: str
 ) -> None:
     wl = _workload(tmp_path)
-    assert main(["sweep", str(wl), "--out", str(tmp_path / "o"), "--quiet", *extra]) == 2
+    try:
+        code = main(["sweep", str(wl), "--out", str(tmp_path / "o"), "--quiet", *extra])
+    except SystemExit as exc:  # refused as the option is read
+        code = exc.code
     err = capsys.readouterr().err
+    assert code == 2
     assert err.startswith("kvreuse sweep: ") and fragment in err and err.count("\n") == 1
 
 

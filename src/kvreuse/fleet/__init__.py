@@ -15,6 +15,7 @@
     ray_serve/   the same front on Ray Serve (`ray` extra): the application (app), its
                  deployments (deploy), Ray's request-router API scoring by `Router` (router),
                  and what the two share (shared)
+    options.py   the options the fleet's commands declare alike (a replica's, the load weight)
 
 The router and the simulation need the `events` extra (msgspec for the mirrors' wire events;
 pyzmq too when a `Subscriber` feeds them). This file imports nothing, so

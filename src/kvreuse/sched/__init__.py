@@ -4,6 +4,7 @@ simulation and tests."""
 from kvreuse.sched.advance import FastForward
 from kvreuse.sched.config import SchedulerConfig
 from kvreuse.sched.engine import (
+    DRAFT_ACCEPT_RATE,
     POSITIONAL_PERIOD,
     ContentTokens,
     DecodeScript,
@@ -18,6 +19,7 @@ from kvreuse.sched.fit import peak_blocks
 from kvreuse.sched.scheduler import Engine, Scheduler, Seq, StepStats
 
 __all__ = [
+    "DRAFT_ACCEPT_RATE",
     "POSITIONAL_PERIOD",
     "ContentTokens",
     "DecodeScript",

@@ -128,7 +128,7 @@ class ScriptedEngine:
     It replaces three engines that shared this loop and differed only here:
 
     * the simulator's `FakeEngine`: positional tokens (vocab 32000), drafts accepted at a seeded
-      rate (0.7 by default), the save at T′ only;
+      rate (DRAFT_ACCEPT_RATE by default), the save at T′ only;
     * the fake server backend's engine: content tokens (letters), every draft rejected, the save
       at T′ only;
     * qualify's shadow replay: the server's recorded tokens, every draft rejected, every save at
@@ -232,10 +232,17 @@ class DecodeScript(Protocol):
     ) -> None: ...
 
 
+# The share of draft tokens the simulator's engine accepts unless told otherwise
+# (`--draft-accept-rate`).
+DRAFT_ACCEPT_RATE = 0.7
+
+
 class FakeEngine(ScriptedEngine):
     """The simulator's engine: positional tokens, drafts accepted at `accept_rate` (seeded), the
     save at T′ only."""
 
-    def __init__(self, accept_rate: float = 0.7, seed: int = 0, vocab: int = 32000) -> None:
+    def __init__(
+        self, accept_rate: float = DRAFT_ACCEPT_RATE, seed: int = 0, vocab: int = 32000
+    ) -> None:
         super().__init__(PositionalTokens(vocab), "at_end", accept_rate, seed)
         self.vocab = vocab

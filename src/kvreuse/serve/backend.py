@@ -198,7 +198,7 @@ def fake_backend(
     `tiers` below its cache (decided by the core; a fake model has no bytes to move)."""
     geo = load_geometry(FAKE_GEOMETRY, FAKE_NAME) if geometry is None else resolve(geometry)
     if num_blocks is not None:
-        check_num_blocks(num_blocks, "--num-blocks")  # as the engine's LLM checks it
+        check_num_blocks(num_blocks, "fake_backend(num_blocks=...)")  # as LLM(num_blocks=) is
         geo = replace(geo, cache=replace(geo.cache, num_blocks=num_blocks))
     below = [] if tiers is None else tiers.below(geo)
     if tiers is not None:

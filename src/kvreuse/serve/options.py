@@ -10,7 +10,7 @@ import argparse
 from kvreuse.events.options import add_arguments as add_kv_events
 from kvreuse.serve import defaults
 from kvreuse.serve.ops_options import add_arguments as add_operator_options
-from kvreuse.vocab import add_tier_options, size
+from kvreuse.vocab import add_num_blocks, add_tier_options
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,12 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--geometry", default=None, help="geometry preset name or TOML file")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
-    p.add_argument(
-        "--num-blocks",
-        type=size(2, 2**40),
-        default=None,
-        help="the cache's pool in blocks (default: the geometry's)",
-    )
+    add_num_blocks(p, "the cache's pool in blocks (default: the geometry's)")
     add_tier_options(p, "the cache")
     p.add_argument(
         "--store-url",

@@ -29,6 +29,7 @@ from kvreuse.deployment import (
     preset,
     resolve,
 )
+from kvreuse.sched import DRAFT_ACCEPT_RATE
 from kvreuse.sim.fit import check_fit, never_evicting_blocks
 from kvreuse.sim.progress import Progress
 from kvreuse.sim.report import PLOTS, summary_table, write_report
@@ -43,7 +44,7 @@ from kvreuse.sim.run import (
 from kvreuse.sim.traces import add_trace_options, read_workload_arg
 from kvreuse.sim.workload import WorkloadError, WorkloadRequest
 from kvreuse.tiering import with_tiers
-from kvreuse.vocab import Help, add_tier_options, number, size
+from kvreuse.vocab import Help, add_num_blocks, add_tier_options, number, size
 
 DEFAULT_COST = CostModel()
 OUTPUTS = ("requests.jsonl", "summary.json", "report.md", *(f for f, _ in PLOTS))
@@ -75,13 +76,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--out", type=Path, required=True, help="output folder (created if missing)")
     pool = p.add_mutually_exclusive_group()
-    pool.add_argument(
-        "--num-blocks",
-        type=size(2, 2**63 - 1),
-        default=None,
-        metavar="N",
-        help="the pool, in blocks, the null block included (default: the geometry's)",
-    )
+    add_num_blocks(pool, "the pool, in blocks, the null block included (default: the geometry's)")
     pool.add_argument(
         "--capacity-tokens",
         type=size(1, 2**63 - 1, unlimited=True),
@@ -119,13 +114,18 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="take every step through the scheduler (the reference path; same results, slower)",
     )
+    add_draft_accept_rate(p)
+    p.set_defaults(func=run)
+
+
+def add_draft_accept_rate(p: Any) -> None:
+    """`--draft-accept-rate P` of `kvreuse simulate` and `sweep`: the fake engine's acceptance."""
     p.add_argument(
         "--draft-accept-rate",
         type=number(0, 1),
-        default=0.7,
+        default=DRAFT_ACCEPT_RATE,
         help="with num_spec_tokens > 0: probability that each draft token is accepted",
     )
-    p.set_defaults(func=run)
 
 
 def _fail(message: object, code: int = 2) -> int:

@@ -7,7 +7,6 @@ the run is told about them first and goes on.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +15,7 @@ from kvreuse.deployment import Deployment
 from kvreuse.sched import peak_blocks
 from kvreuse.sim.feed import Arrivals, static_length
 from kvreuse.sim.workload import WorkloadError, WorkloadRequest
-from kvreuse.vocab import plural
+from kvreuse.vocab import plural, size_at_least
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,7 @@ class Fit:
             f"{self.num_too_large:,} of {plural(self.num_requests, 'request')} can never fit "
             f"{dep.name}'s pool ({pool}) and would be refused; the largest, {self.largest_id}, "
             f"holds {plural(self.largest_blocks, 'block')} at its peak: --capacity-tokens "
-            f"{size_label(fitting)} fits every request (inf: a pool that never evicts)"
+            f"{size_at_least(fitting)} fits every request (inf: a pool that never evicts)"
         )
 
 
@@ -61,18 +60,6 @@ def capacity_for(cache: CacheConfig, num_blocks: int) -> int:
     usable blocks: one token more than the largest capacity of a pool one block short."""
     below = cache.capacity_tokens(num_blocks)  # the most tokens num_blocks − 1 usable hold
     return 1 if below is None else below + 1
-
-
-def size_label(n: int) -> str:
-    """`n` rounded up to three significant digits, in the sizes the options read: 163,839 →
-    '164K', 3,000,000 → '3M', 900 → '900'."""
-    for unit, scale in (("G", 10**9), ("M", 10**6), ("K", 10**3)):
-        if n >= scale:
-            digits = max(0, 3 - len(str(n // scale)))
-            step = 10**digits
-            value = math.ceil(n * step / scale) / step
-            return f"{value:g}{unit}"
-    return str(n)
 
 
 def never_evicting_blocks(dep: Deployment, workload: list[WorkloadRequest]) -> int:

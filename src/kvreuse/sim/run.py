@@ -22,7 +22,7 @@ from typing import Any
 
 from kvreuse.core import KVCacheManager
 from kvreuse.deployment import Deployment
-from kvreuse.sched import FakeEngine, FastForward, Scheduler, Seq, StepStats
+from kvreuse.sched import DRAFT_ACCEPT_RATE, FakeEngine, FastForward, Scheduler, Seq, StepStats
 from kvreuse.sim.blockchains import BlockChains
 from kvreuse.sim.cost import CostMeter, CostModel
 from kvreuse.sim.feed import Feeder
@@ -80,7 +80,7 @@ def simulate(
     workload: list[WorkloadRequest],
     cost: CostModel | None = None,
     on_step: Callable[[int, int], None] | None = None,
-    draft_accept_rate: float = 0.7,
+    draft_accept_rate: float = DRAFT_ACCEPT_RATE,
     sink: Callable[[Row], None] | None = None,
     fast_forward: bool = True,
     on_events: Callable[[int, list[Any]], None] | None = None,
@@ -342,7 +342,7 @@ def without_deferral(
     geo: Deployment,
     workload: list[WorkloadRequest],
     cost: CostModel | None = None,
-    draft_accept_rate: float = 0.7,
+    draft_accept_rate: float = DRAFT_ACCEPT_RATE,
     on_step: Callable[[int, int], None] | None = None,
     fast_forward: bool = True,
 ) -> dict[str, Any]:

@@ -23,13 +23,14 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvreuse.deployment import MAX_NUM_BLOCKS, Deployment, blocks_for_capacity, check_num_blocks
+from kvreuse.deployment import Deployment, blocks_for_capacity, check_num_blocks
+from kvreuse.sched import DRAFT_ACCEPT_RATE
 from kvreuse.sim.cost import CostModel
 from kvreuse.sim.fit import request_lengths, unlimited_blocks
 from kvreuse.sim.run import SimulationError, simulate
 from kvreuse.sim.workload import WorkloadError, WorkloadRequest
 from kvreuse.tiering import HOST_TIER, STORE_TIER, with_tiers
-from kvreuse.vocab import parse_size
+from kvreuse.vocab import MAX_NUM_BLOCKS, exact_size, parse_size, parse_sizes
 
 MAX_CAPACITY = 10**15  # far beyond any pool: a larger value is a typo
 # Blocks of the pools of the cases running at once (each in its own process on this machine):
@@ -45,27 +46,12 @@ class CaseError(RuntimeError):
 
 
 def parse_capacities(text: str) -> list[int | None]:
-    """'1M,3M,10M,50M,inf' → [1_000_000, 3_000_000, 10_000_000, 50_000_000, None]."""
-    out: list[int | None] = []
-    for part in text.split(","):
-        try:
-            value = parse_size(part, 1, MAX_CAPACITY, unlimited=True)
-        except ValueError as exc:
-            raise ValueError(f"capacity {exc}") from None
-        if value in out:
-            raise ValueError(f"capacity {part.strip()!r} is given twice")
-        out.append(value)
-    return out
-
-
-def capacity_label(capacity: int | None) -> str:
-    """1000000 → '1M', 1500000 → '1.5M', 123 → '123', None → 'inf'."""
-    if capacity is None:
-        return "inf"
-    for unit, size in (("G", 10**9), ("M", 10**6), ("K", 10**3)):
-        if capacity >= size and (capacity * 1000) % size == 0:
-            return f"{capacity / size:g}{unit}"
-    return f"{capacity:,}"
+    """'1M,3M,10M,50M,inf' → [1_000_000, 3_000_000, 10_000_000, 50_000_000, None]
+    (`kvreuse.vocab.parse_sizes`; a ValueError naming the capacity otherwise)."""
+    try:
+        return parse_sizes(text, 1, MAX_CAPACITY, unlimited=True)
+    except ValueError as exc:
+        raise ValueError(f"capacity {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -79,7 +65,7 @@ class TierSetup:
     def label(self) -> str:
         """'device only', 'host 30M', 'host 10M + store 20M'."""
         sizes = ((HOST_TIER, self.host_tokens), (STORE_TIER, self.store_tokens))
-        parts = [f"{name} {capacity_label(n)}" for name, n in sizes if n is not None]
+        parts = [f"{name} {exact_size(n)}" for name, n in sizes if n is not None]
         return " + ".join(parts) or "device only"
 
 
@@ -131,7 +117,7 @@ def cases_for(
                     blocks = unlimited_blocks(geo, lengths)
                 else:
                     blocks = blocks_for_capacity(geo.cache, capacity)
-                check_num_blocks(blocks, f"{label} at capacity {capacity_label(capacity)}")
+                check_num_blocks(blocks, f"{label} at capacity {exact_size(capacity)}")
                 sized = replace(tiered, cache=replace(geo.cache, num_blocks=blocks))
                 out.append(Case(label, sized, capacity, setup.label))
     return out
@@ -150,7 +136,7 @@ def run_case(case: Case, workload: list[WorkloadRequest], draft_accept_rate: flo
     try:
         result = simulate(case.geo, workload, cost, None, draft_accept_rate, sink=collect)
     except (WorkloadError, SimulationError, ValueError) as exc:
-        where = f"{case.label} at capacity {capacity_label(case.capacity)}"
+        where = f"{case.label} at capacity {exact_size(case.capacity)}"
         if case.tiers != TierSetup().label:
             where += f" ({case.tiers})"
         raise CaseError(f"{where}: {exc}") from None
@@ -208,7 +194,7 @@ def run_cases(
     cases: list[Case],
     workload: list[WorkloadRequest],
     jobs: int,
-    draft_accept_rate: float = 0.7,
+    draft_accept_rate: float = DRAFT_ACCEPT_RATE,
     on_case: OnCase | None = None,
     done: list[Row] | None = None,
 ) -> list[Row]:
@@ -276,7 +262,7 @@ def run_cases_on_ray(
     cases: list[Case],
     workload: list[WorkloadRequest],
     address: str | None,
-    draft_accept_rate: float = 0.7,
+    draft_accept_rate: float = DRAFT_ACCEPT_RATE,
     on_case: OnCase | None = None,
     done: list[Row] | None = None,
 ) -> list[Row]:

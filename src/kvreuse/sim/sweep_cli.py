@@ -24,14 +24,13 @@ from typing import Any
 
 from kvreuse.core import ConfigError
 from kvreuse.deployment import Deployment, GeometryError, resolve
-from kvreuse.sim.cli import clear_outputs, prepare_out
+from kvreuse.sim.cli import add_draft_accept_rate, clear_outputs, prepare_out
 from kvreuse.sim.cost import CostModel
 from kvreuse.sim.progress import Progress
 from kvreuse.sim.sweep import (
     CaseError,
     Row,
     TierSetup,
-    capacity_label,
     cases_for,
     parse_capacities,
     parse_tier_setup,
@@ -40,7 +39,7 @@ from kvreuse.sim.sweep import (
 )
 from kvreuse.sim.traces import add_trace_options, read_workload_arg
 from kvreuse.sim.workload import WorkloadError
-from kvreuse.vocab import Help, add_tier_options, int_range, plural
+from kvreuse.vocab import Help, add_tier_options, exact_size, int_range, plural
 
 DEFAULT_CAPACITIES = "1M,3M,10M,50M,inf"
 PLOTS = ("hit_rate_vs_capacity.png", "prefill_time.png")
@@ -100,12 +99,7 @@ def add_parser(sub: Any) -> None:
         help="run the cases as Ray tasks: on the cluster at ADDRESS, or a local one "
         "(needs pip install 'kvreuse[ray]')",
     )
-    p.add_argument(
-        "--draft-accept-rate",
-        type=float,
-        default=0.7,
-        help="with num_spec_tokens > 0: probability that each draft token is accepted",
-    )
+    add_draft_accept_rate(p)
     add_tier_options(p, "every case's pool")
     p.add_argument(
         "--tiers",
@@ -157,8 +151,6 @@ def _setups(args: argparse.Namespace) -> tuple[TierSetup, ...]:
 
 def _check_options(args: argparse.Namespace) -> None:
     """Everything that can be found out before a case runs."""
-    if not 0 <= args.draft_accept_rate <= 1:
-        raise ValueError(f"--draft-accept-rate must be in [0, 1], got {args.draft_accept_rate}")
     if args.ray is not None and find_spec("ray") is None:
         raise ValueError(
             "--ray needs the ray package, which is not installed: pip install 'kvreuse[ray]'"
@@ -234,7 +226,7 @@ def _verdict(rows: list[Row]) -> int:
 def _name(row: Row) -> str:
     tiers = row.get("tier_setup", "device only")
     where = "" if tiers == "device only" else f" ({tiers})"
-    return f"{row['geometry']} at {capacity_label(row['capacity_tokens'])}{where}"
+    return f"{row['geometry']} at {exact_size(row['capacity_tokens'])}{where}"
 
 
 def _write(
@@ -249,7 +241,7 @@ def _write(
     doc = {
         "workload": str(args.workload),
         "geometries": [{"geometry": label, "cost": _cost_fields(geo)} for label, geo in geometries],
-        "capacities": [capacity_label(c) for c in capacities],
+        "capacities": [exact_size(c) for c in capacities],
         "interrupted": interrupted,
         # the sweep's own wall time (the cases' wall_s add up to more with --jobs > 1)
         "elapsed_s": round(elapsed_s, 3),
@@ -311,7 +303,7 @@ def sweep_table(rows: list[Row]) -> list[str]:
         out = [("geometry", r["geometry"])]
         out += [("tiers", r["tier_setup"])] if tiered else []
         out += [
-            ("capacity", capacity_label(r["capacity_tokens"])),
+            ("capacity", exact_size(r["capacity_tokens"])),
             ("blocks", f"{r['num_blocks']:,}"),
             ("hit rate", f"{100 * r['hit_rate']:.1f} %"),
             ("Σ cached", f"{r['cached_tokens']:,}"),

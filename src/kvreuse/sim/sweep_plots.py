@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from kvreuse.sim.sweep import Row, capacity_label
+from kvreuse.sim.sweep import Row
+from kvreuse.vocab import exact_size
 
 DASHES = ("-", "--", ":", "-.")
 MARKERS = ("o", "s", "^", "D", "v", "P")
@@ -26,7 +27,7 @@ def _positions(rows: list[Row]) -> tuple[dict[int | None, float], list[float], l
     if any(r["capacity_tokens"] is None for r in rows):
         where[None] = 10.0 * finite[-1] if finite else 1.0
     ticks = sorted(where.items(), key=lambda kv: kv[1])
-    return where, [x for _, x in ticks], [capacity_label(c) for c, _ in ticks]
+    return where, [x for _, x in ticks], [exact_size(c) for c, _ in ticks]
 
 
 def write_plots(out: Path, rows: list[Row]) -> list[Path]:

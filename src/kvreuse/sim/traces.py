@@ -356,12 +356,18 @@ def add_trace_options(p: argparse.ArgumentParser) -> None:
         help="the workload file is a trace in this format (mooncake, bailian), imported as "
         "kvreuse workload import FORMAT would, with its defaults",
     )
+    add_time_scale(p, None, "with --trace: ")
+
+
+def add_time_scale(p: Any, default: float | None, when: str = "") -> None:
+    """`--time-scale X`: a trace's arrival times multiplied by X (`ImportOptions.time_scale`);
+    `default` None: absent unless given (`simulate` and `sweep`, where it needs --trace)."""
     p.add_argument(
         "--time-scale",
         type=number(0, 1e6),
-        default=None,
+        default=default,
         metavar="X",
-        help="with --trace: multiply arrival times by X (0.5: twice the request rate)",
+        help=f"{when}multiply arrival times by X (0.5: twice the request rate; 0: all at once)",
     )
 
 

@@ -15,7 +15,7 @@ from typing import IO, Any
 
 from kvreuse.deployment import GeometryError
 from kvreuse.sim.generators import GENERATORS
-from kvreuse.sim.traces import FORMATS, ImportOptions, ImportStats, import_trace
+from kvreuse.sim.traces import FORMATS, ImportOptions, ImportStats, add_time_scale, import_trace
 from kvreuse.sim.workload import MAX_BLOCK_TOKENS, MAX_TOKENS_PER_REQUEST, WorkloadError
 from kvreuse.vocab import Help, int_range, number, size, size_list
 
@@ -170,12 +170,7 @@ def _add_import(kinds: Any) -> None:
         default=None,
         help="write at most N requests (default: all)",
     )
-    p.add_argument(
-        "--time-scale",
-        type=number(0, 1e6),
-        default=1.0,
-        help="multiply arrival times by X (0.5: twice the request rate; 0: all at once)",
-    )
+    add_time_scale(p, ImportOptions.time_scale)
     p.add_argument(
         "--sample",
         type=number(0, 1, low_open=True),

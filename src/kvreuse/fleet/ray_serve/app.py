@@ -23,7 +23,8 @@ from types import FrameType
 from typing import Any
 
 from kvreuse.fleet import DEFAULT_LOAD_WEIGHT, POLICIES, check_policy
-from kvreuse.vocab import Help, size
+from kvreuse.fleet.options import add_load_weight, add_replica_options
+from kvreuse.vocab import Help
 
 
 def build_app(
@@ -98,13 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--address", default=None, help="Ray cluster (default: a new local one)")
     p.add_argument("--policy", choices=POLICIES, default="exact")
-    p.add_argument("--load-weight", type=float, default=DEFAULT_LOAD_WEIGHT)
-    p.add_argument("--geometry", default=None, help="preset or TOML file of every replica")
-    p.add_argument("--model", default=None, help="replicas: model directory (default: tiny)")
-    p.add_argument("--fake", action="store_true", help="replicas: deterministic fake model")
-    p.add_argument(
-        "--num-blocks", type=size(2, 2**40), default=None, help="each replica's pool, in blocks"
-    )
+    add_load_weight(p, "prefill tokens one token of a replica's load is worth (exact)")
+    add_replica_options(p)
     p.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of a new local cluster")
     p.add_argument("--host", default="127.0.0.1", help="where Ray Serve's HTTP proxy listens")

@@ -22,12 +22,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvreuse.fleet import DEFAULT_HEALTH_INTERVAL_S, DEFAULT_LOAD_WEIGHT, POLICIES
+from kvreuse.fleet import DEFAULT_HEALTH_INTERVAL_S, POLICIES
+from kvreuse.fleet.options import add_load_weight, add_replica_options
 from kvreuse.fleet.serving.deadlines import Deadlines
 from kvreuse.fleet.serving.serve_args import UsageError, replica_args, replica_spec
 from kvreuse.fleet.serving.supervise import RestartPolicy
 from kvreuse.serve import ops_options
-from kvreuse.vocab import Help, int_range, size
+from kvreuse.vocab import Help, int_range
 
 MAX_REPLICAS = 64
 DEADLINE_OPTIONS = (  # (flag, Deadlines field, help)
@@ -55,11 +56,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=POLICIES, default="exact", help="routing policy")
     p.add_argument("--host", default="127.0.0.1", help="where the front listens")
     p.add_argument("--port", type=int_range(0, 65535), default=8000, help="0: any free port")
-    p.add_argument(
-        "--load-weight",
-        type=float,
-        default=DEFAULT_LOAD_WEIGHT,
-        help="prefill tokens one token of a replica's load is worth (exact, attention-chain)",
+    add_load_weight(
+        p, "prefill tokens one token of a replica's load is worth (exact, attention-chain)"
     )
     p.add_argument(
         "--health-interval",
@@ -83,12 +81,7 @@ def _add_fleet(sub: Any) -> None:
     )
     p.add_argument("--replicas", type=int_range(1, MAX_REPLICAS), required=True, metavar="N")
     _common(p)
-    p.add_argument("--geometry", default=None, help="preset or TOML file of every replica")
-    p.add_argument("--model", default=None, help="replicas: model directory (default: tiny)")
-    p.add_argument("--fake", action="store_true", help="replicas: deterministic fake model")
-    p.add_argument(
-        "--num-blocks", type=size(2, 2**40), default=None, help="replicas' cache, in blocks"
-    )
+    add_replica_options(p)
     p.add_argument("--max-pending", type=int_range(1, 2**31), default=None, help="per replica")
     p.add_argument(
         "--start-timeout", type=float, default=180.0, help="seconds the replicas get to start"
@@ -328,9 +321,6 @@ def _deadlines(args: argparse.Namespace) -> Deadlines:
 
 # ---------------------------------------------------------------------------- checks
 def _check_common(args: argparse.Namespace) -> None:
-    w = args.load_weight
-    if not (math.isfinite(w) and w >= 0):
-        raise UsageError(f"--load-weight must be a finite number ≥ 0, got {w}")
     if not (math.isfinite(args.health_interval) and args.health_interval > 0):
         raise UsageError(f"--health-interval must be seconds > 0, got {args.health_interval}")
     timeout = getattr(args, "start_timeout", 1.0)

@@ -28,13 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from kvreuse.core import ConfigError
-from kvreuse.deployment import (
-    BYTES_PER_CACHED_BLOCK,
-    MAX_NUM_BLOCKS,
-    Deployment,
-    GeometryError,
-)
-from kvreuse.fleet import DEFAULT_LOAD_WEIGHT, POLICIES, TEXT_MATCH_THRESHOLD
+from kvreuse.deployment import Deployment, GeometryError
+from kvreuse.fleet import POLICIES, TEXT_MATCH_THRESHOLD
+from kvreuse.fleet.options import add_load_weight
 from kvreuse.sim.cli import (
     check_fit_first,
     clear_outputs,
@@ -46,7 +42,7 @@ from kvreuse.sim.progress import Progress
 from kvreuse.sim.run import SimulationError
 from kvreuse.sim.workload import WorkloadError, WorkloadRequest
 from kvreuse.tiering import STORE_TIER
-from kvreuse.vocab import int_range, number
+from kvreuse.vocab import int_range, number, too_many_blocks
 
 INTERRUPTED = 130
 MAX_REPLICAS = 1024
@@ -81,12 +77,7 @@ def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
         "router hears only the replicas' device events (as a router that reads no medium "
         "field), not their tiers'",
     )
-    g.add_argument(
-        "--load-weight",
-        type=number(0, 1e9),
-        default=DEFAULT_LOAD_WEIGHT,
-        help="routing cost: prefill tokens one token of a replica's load is worth",
-    )
+    add_load_weight(g, "routing cost: prefill tokens one token of a replica's load is worth")
     g.add_argument(
         "--text-match-threshold",
         type=number(0, 1),
@@ -123,14 +114,10 @@ def _check_fleet(args: argparse.Namespace, dep: Deployment, policies: list[str])
     # Every replica's pool is built at once in this process: the ceiling of one pool bounds
     # them together (64 replicas of the largest pool would need 190 GB).
     per, total = dep.cache.num_blocks, args.replicas * dep.cache.num_blocks
-    if total > MAX_NUM_BLOCKS:
-        gb = total * BYTES_PER_CACHED_BLOCK / 1e9
-        raise GeometryError(
-            f"{args.replicas} replicas × {per:,} blocks = {total:,} blocks in all is too large: "
-            f"their bookkeeping alone would need about {gb:,.1f} GB ({BYTES_PER_CACHED_BLOCK} "
-            f"bytes per cached block); the limit is {MAX_NUM_BLOCKS:,} blocks in all "
-            "(lower --num-blocks or --replicas)"
-        )
+    what = f"{args.replicas} replicas × {per:,} blocks = {total:,} blocks in all"
+    problem = too_many_blocks(total, what, whose="their")
+    if problem is not None:
+        raise GeometryError(f"{problem} in all (lower --num-blocks or --replicas)")
     for policy in policies:
         make_policy(policy, dep.cache.geometry)
 

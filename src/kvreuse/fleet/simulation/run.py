@@ -55,7 +55,7 @@ from kvreuse.fleet.simulation.summary import (
     reconcile,
     too_large,
 )
-from kvreuse.sched import FakeEngine, FastForward, Scheduler, Seq, StepStats
+from kvreuse.sched import DRAFT_ACCEPT_RATE, FakeEngine, FastForward, Scheduler, Seq, StepStats
 from kvreuse.sim.blockchains import BlockChains
 from kvreuse.sim.cost import CostMeter, CostModel
 from kvreuse.sim.run import SimulationError
@@ -73,7 +73,7 @@ class FleetOptions:
     policy: str = "exact"
     load_weight: float = DEFAULT_LOAD_WEIGHT
     cost: CostModel = field(default_factory=CostModel)
-    draft_accept_rate: float = 0.7
+    draft_accept_rate: float = DRAFT_ACCEPT_RATE
     router_options: tuple[tuple[str, Any], ...] = ()  # text_threshold, text_imbalance, …
     score_tiers: bool = True  # the router hears the tiers' events and prices their loads
     fast_forward: bool = True  # each replica's decode steps call the core only at events
