@@ -30,18 +30,18 @@ def tier_media(host_tokens: int | None, store_tokens: int | None) -> list[str]:
 
 
 def with_tiers(
-    geo: Deployment,
+    dep: Deployment,
     host_tokens: int | None,
     store_tokens: int | None,
     store_admission: str = "on-eviction",
 ) -> Deployment:
-    """`geo` with a host and/or store tier, each sized in blocks as a pool of that many
+    """`dep` with a host and/or store tier, each sized in blocks as a pool of that many
     tokens would be (the null block aside); the host's KV events say "CPU", as vLLM's. The
     store admits every kind by `store_admission` (`--store-admission`)."""
     rule = Admission(store_admission.replace("-", "_"))
     tiers = [
         TierSpec(
-            name, geo.cache.blocks_for_request(tokens), medium=tier_medium(name), default=default
+            name, dep.cache.blocks_for_request(tokens), medium=tier_medium(name), default=default
         )
         for name, tokens, default in (
             (HOST_TIER, host_tokens, Admission.ON_EVICTION),
@@ -49,4 +49,4 @@ def with_tiers(
         )
         if tokens is not None
     ]
-    return replace(geo, tiers=(*geo.tiers, *tiers)) if tiers else geo
+    return replace(dep, tiers=(*dep.tiers, *tiers)) if tiers else dep

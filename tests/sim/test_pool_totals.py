@@ -63,7 +63,7 @@ def test_a_sweep_runs_no_more_cases_at_once_than_their_pools_allow(
     real = sweep.run_case
 
     def logged(case: Case, workload: list, rate: float) -> dict:
-        blocks = case.geo.cache.num_blocks
+        blocks = case.deployment.cache.num_blocks
         with log.open("a") as f:  # one write a line: the workers' lines do not interleave
             f.write(f"{time.monotonic()} {blocks}\n")
         time.sleep(0.5)  # long enough that cases started together overlap

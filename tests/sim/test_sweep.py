@@ -66,7 +66,7 @@ def test_a_capacity_becomes_the_pool_a_geometry_file_asks_for(tmp_path: Path) ->
     workload = load_workload(_workload(tmp_path).read_text().splitlines())
     geometries = [("attention-16", preset("attention-16")), ("hybrid-dcp4", preset("hybrid-dcp4"))]
     cases = sweep.cases_for(geometries, [10**6, None], workload)
-    blocks = [c.geo.cache.num_blocks for c in cases]
+    blocks = [c.deployment.cache.num_blocks for c in cases]
     # 16-token pages: 62,500 of them, and the null block; 8,192-token pages: 123, plus the
     # recurrent group's live and scratch slots (κ = 0), and the null block
     assert blocks[0] == 1 + 10**6 // 16 and blocks[2] == 1 + 123 + 2

@@ -139,46 +139,46 @@ def read_inputs(args: argparse.Namespace) -> tuple[Deployment, list[WorkloadRequ
     if args.preset:
         if len(args.files) != 1:
             raise GeometryError("with --geometry, give only the workload file")
-        geo, wl_path = preset(args.preset), Path(args.files[0])
+        dep, wl_path = preset(args.preset), Path(args.files[0])
     else:
         if len(args.files) != 2:
             raise GeometryError("give GEOMETRY.toml and WORKLOAD.jsonl (or --geometry NAME)")
-        geo, wl_path = resolve(Path(args.files[0])), Path(args.files[1])
+        dep, wl_path = resolve(Path(args.files[0])), Path(args.files[1])
     workload = read_workload_arg(wl_path, args, "kvreuse simulate")
     if args.capacity_tokens == math.inf:
-        geo = with_pool(geo, never_evicting_blocks(geo, workload), None)
-        return geo, workload
-    geo = with_pool(geo, args.num_blocks, args.capacity_tokens)
+        dep = with_pool(dep, never_evicting_blocks(dep, workload), None)
+        return dep, workload
+    dep = with_pool(dep, args.num_blocks, args.capacity_tokens)
     tiers = args.host_capacity, args.store_capacity, args.store_admission
-    return with_tiers(geo, *tiers), workload
+    return with_tiers(dep, *tiers), workload
 
 
-def with_pool(geo: Deployment, num_blocks: int | None, capacity_tokens: int | None) -> Deployment:
-    """`geo` with its pool resized: `num_blocks`, or the blocks `capacity_tokens` need (as the
+def with_pool(dep: Deployment, num_blocks: int | None, capacity_tokens: int | None) -> Deployment:
+    """`dep` with its pool resized: `num_blocks`, or the blocks `capacity_tokens` need (as the
     geometry file's keys of the same names; neither: as it is)."""
     if capacity_tokens is not None:
-        num_blocks = blocks_for_capacity(geo.cache, capacity_tokens)
+        num_blocks = blocks_for_capacity(dep.cache, capacity_tokens)
         because = f" (for --capacity-tokens {capacity_tokens:,})"
     elif num_blocks is None:
-        return geo
+        return dep
     else:
         because = ""
     check_num_blocks(num_blocks, "--num-blocks" if not because else "--capacity-tokens", because)
-    return replace(geo, cache=replace(geo.cache, num_blocks=num_blocks))
+    return replace(dep, cache=replace(dep.cache, num_blocks=num_blocks))
 
 
 def check_fit_first(
-    args: argparse.Namespace, geo: Deployment, workload: list[WorkloadRequest], prog: str
+    args: argparse.Namespace, dep: Deployment, workload: list[WorkloadRequest], prog: str
 ) -> None:
     """Requests the pool can never hold, said before the run: on a preset's own pool (no
     --num-blocks or --capacity-tokens) a GeometryError naming the capacity that fits them, on
     a pool the user chose one line on stderr, and the run goes on (and exits 1)."""
-    fit = check_fit(geo, workload)
+    fit = check_fit(dep, workload)
     if not fit.num_too_large:
         return
     if args.preset and args.num_blocks is None and args.capacity_tokens is None:
-        raise GeometryError(fit.message(geo))
-    print(f"{prog}: {fit.message(geo)}", file=sys.stderr)
+        raise GeometryError(fit.message(dep))
+    print(f"{prog}: {fit.message(dep)}", file=sys.stderr)
 
 
 def _require_matplotlib() -> None:
@@ -219,14 +219,14 @@ def clear_outputs(out: Path, names: Iterable[str] = OUTPUTS) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        geo, workload = read_inputs(args)
+        dep, workload = read_inputs(args)
         cost = CostModel.for_deployment(  # the geometry's [cost], then the options given
-            geo, prefill_tokens_per_s=args.prefill_tokens_per_s, decode_step_s=args.decode_step_s
+            dep, prefill_tokens_per_s=args.prefill_tokens_per_s, decode_step_s=args.decode_step_s
         )
         if not args.no_plots:
             _require_matplotlib()
         prepare_out(args.out)
-        check_fit_first(args, geo, workload, "kvreuse simulate")
+        check_fit_first(args, dep, workload, "kvreuse simulate")
     except (GeometryError, WorkloadError, ConfigError, OSError, ValueError) as exc:
         return _fail(exc)
     clear_outputs(args.out)
@@ -235,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             with progress.phase("simulating", len(workload), "req") as on_step:
                 result = simulate(
-                    geo,
+                    dep,
                     workload,
                     cost,
                     on_step,
@@ -244,10 +244,10 @@ def run(args: argparse.Namespace) -> int:
                     fast_forward=not args.no_fast_forward,
                 )
         except SimulationInterrupted as stop:
-            return _interrupted(args, geo, stop.result)
+            return _interrupted(args, dep, stop.result)
         except (WorkloadError, SimulationError) as exc:  # found only when a prompt resolved
             return _fail(exc)
-    return _finish(args, geo, workload, cost, result, progress)
+    return _finish(args, dep, workload, cost, result, progress)
 
 
 def _writer(f: TextIO) -> Callable[[dict[str, Any]], None]:
@@ -259,7 +259,7 @@ def _writer(f: TextIO) -> Callable[[dict[str, Any]], None]:
 
 def _finish(
     args: argparse.Namespace,
-    geo: Deployment,
+    dep: Deployment,
     workload: list[WorkloadRequest],
     cost: CostModel,
     result: SimResult,
@@ -273,7 +273,7 @@ def _finish(
             with progress.phase("comparing without deferral", len(workload), "req") as on_step:
                 rate = args.draft_accept_rate
                 fast = not args.no_fast_forward
-                s["without_deferral"] = without_deferral(geo, workload, cost, rate, on_step, fast)
+                s["without_deferral"] = without_deferral(dep, workload, cost, rate, on_step, fast)
         except KeyboardInterrupt:
             stopped = "the comparison run without deferral"
     plots = not args.no_plots and stopped is None
@@ -282,13 +282,13 @@ def _finish(
             from kvreuse.sim.plots import write_plots
 
             with progress.phase("plotting", len(PLOTS), "plot") as on_plot:
-                write_plots(args.out, geo.name, result, on_plot)
+                write_plots(args.out, dep.name, result, on_plot)
         except KeyboardInterrupt:
             _remove_plots(args.out)
             stopped, plots = "plotting", False
     (args.out / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
-    write_report(args.out, geo.name, result, plots)
-    print(json.dumps(s, indent=2) if args.json else summary_table(geo.name, result, args.out))
+    write_report(args.out, dep.name, result, plots)
+    print(json.dumps(s, indent=2) if args.json else summary_table(dep.name, result, args.out))
     if stopped:
         return _fail(
             f"interrupted during {stopped}; the simulation's results are complete in {args.out}/",
@@ -309,10 +309,10 @@ def _remove_plots(out: Path) -> None:
         (out / name).unlink(missing_ok=True)
 
 
-def _interrupted(args: argparse.Namespace, geo: Deployment, result: SimResult) -> int:
+def _interrupted(args: argparse.Namespace, dep: Deployment, result: SimResult) -> int:
     s = result.summary
     (args.out / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
-    write_report(args.out, geo.name, result, plots=False)
+    write_report(args.out, dep.name, result, plots=False)
     return _fail(
         f"interrupted after {s['requests']:,} of {s['requests_in_workload']:,} requests; "
         f"the finished ones are in {args.out}/requests.jsonl",

@@ -91,18 +91,18 @@ def _prompt_bound(prompt: Any, bound: dict[str, int]) -> int:
     return n
 
 
-def unlimited_blocks(geo: Deployment, lengths: list[int]) -> int:
+def unlimited_blocks(dep: Deployment, lengths: list[int]) -> int:
     """A pool larger than every block this workload's requests can ever take from it, so no
     entry is ever evicted: per request, its attention pages plus one copy-on-write page per
     attention group, and per recurrent group its slots plus two states per unit it computes
     (rolling, planned and dense saves land on distinct unit boundaries)."""
-    cache = geo.cache
-    g = cache.geometry
-    spec = geo.sched.num_spec_tokens  # a decode step's draft slots
-    num_attention = sum(1 for grp in g.groups if grp.is_attention)
-    num_recurrent = len(g.groups) - num_attention
+    cache = dep.cache
+    geo = cache.geometry
+    spec = dep.sched.num_spec_tokens  # a decode step's draft slots
+    num_attention = sum(1 for grp in geo.groups if grp.is_attention)
+    num_recurrent = len(geo.groups) - num_attention
     total = 1
     for n in lengths:
         total += cache.blocks_for_request(n, spec) + num_attention
-        total += num_recurrent * (2 * (-(-n // g.hash_unit)) + 8)
+        total += num_recurrent * (2 * (-(-n // geo.hash_unit)) + 8)
     return total

@@ -76,7 +76,7 @@ class SimulationInterrupted(KeyboardInterrupt):
 
 
 def simulate(
-    geo: Deployment,
+    dep: Deployment,
     workload: list[WorkloadRequest],
     cost: CostModel | None = None,
     on_step: Callable[[int, int], None] | None = None,
@@ -85,7 +85,7 @@ def simulate(
     fast_forward: bool = True,
     on_events: Callable[[int, list[Any]], None] | None = None,
 ) -> SimResult:
-    """Replay `workload` on `geo`. With `num_spec_tokens` > 0 in the geometry, each draft is
+    """Replay `workload` on `dep`. With `num_spec_tokens` > 0 in the geometry, each draft is
     accepted with probability `draft_accept_rate` (seeded: runs are reproducible).
 
     Each request's row goes to `sink` as soon as it and every request before it in the
@@ -97,8 +97,8 @@ def simulate(
     kept: list[Row] = []
     with _cyclic_gc_paused():
         out = kept.append if sink is None else sink
-        model = cost or CostModel.for_deployment(geo)
-        run = _Run(geo, workload, model, engine, out, fast_forward, on_events)
+        model = cost or CostModel.for_deployment(dep)
+        run = _Run(dep, workload, model, engine, out, fast_forward, on_events)
         try:
             return run.loop(on_step, kept)
         except KeyboardInterrupt:
@@ -110,7 +110,7 @@ class _Run:
 
     def __init__(
         self,
-        geo: Deployment,
+        dep: Deployment,
         workload: list[WorkloadRequest],
         cost: CostModel,
         engine: FakeEngine,
@@ -120,14 +120,14 @@ class _Run:
     ) -> None:
         # Nobody drains events in a simulation unless asked to; recording them would keep
         # every finished request's tokens alive until the event queue's bound.
-        cache = replace(geo.cache, enable_events=on_events is not None)
-        self.mgr = KVCacheManager(cache, tiers=geo.tiers)
+        cache = replace(dep.cache, enable_events=on_events is not None)
+        self.mgr = KVCacheManager(cache, tiers=dep.tiers)
         self.on_events = on_events
         self.meter = CostMeter(engine, cost, self.mgr)
-        self.sched = Scheduler(self.mgr, self.meter, geo.sched)
+        self.sched = Scheduler(self.mgr, self.meter, dep.sched)
         script = self.meter.decode_script() if fast_forward else None
         self.fast = None if script is None else FastForward(self.sched, script)
-        self.feeder = Feeder(workload, geo.max_model_len, BlockChains(self.mgr.hasher, workload))
+        self.feeder = Feeder(workload, dep.max_model_len, BlockChains(self.mgr.hasher, workload))
         self.workload, self.cost, self.sink = workload, cost, sink
         self.tally = Tally()
         self.first_admitted: dict[str, float] = {}
@@ -339,7 +339,7 @@ def _partial_summary(run: _Run) -> dict[str, Any]:
 
 
 def without_deferral(
-    geo: Deployment,
+    dep: Deployment,
     workload: list[WorkloadRequest],
     cost: CostModel | None = None,
     draft_accept_rate: float = DRAFT_ACCEPT_RATE,
@@ -347,7 +347,7 @@ def without_deferral(
     fast_forward: bool = True,
 ) -> dict[str, Any]:
     """The same run with in-batch deferral off: what waiting for a shared prefix saved."""
-    off = replace(geo, sched=replace(geo.sched, defer_shared_prefix=False))
+    off = replace(dep, sched=replace(dep.sched, defer_shared_prefix=False))
     s = simulate(
         off, workload, cost, on_step, draft_accept_rate, sink=_discard, fast_forward=fast_forward
     ).summary

@@ -92,13 +92,13 @@ def parse_tier_setup(text: str) -> TierSetup:
 @dataclass(frozen=True)
 class Case:
     label: str  # the geometry as the command line named it
-    geo: Deployment  # its pool sized for `capacity`, its tiers `tiers`
+    deployment: Deployment  # its pool sized for `capacity`, its tiers `tiers`
     capacity: int | None  # tokens; None: unlimited
     tiers: str = "device only"  # the TierSetup's label
 
 
 def cases_for(
-    geometries: list[tuple[str, Deployment]],
+    deployments: list[tuple[str, Deployment]],
     capacities: list[int | None],
     workload: list[WorkloadRequest],
     setups: tuple[TierSetup, ...] = (TierSetup(),),
@@ -108,17 +108,17 @@ def cases_for(
     this machine is a ValueError naming the case."""
     lengths: list[int] | None = None
     out = []
-    for label, geo in geometries:
+    for label, dep in deployments:
         for setup in setups:
-            tiered = with_tiers(geo, setup.host_tokens, setup.store_tokens, store_admission)
+            tiered = with_tiers(dep, setup.host_tokens, setup.store_tokens, store_admission)
             for capacity in capacities:
                 if capacity is None:
                     lengths = lengths if lengths is not None else request_lengths(workload)
-                    blocks = unlimited_blocks(geo, lengths)
+                    blocks = unlimited_blocks(dep, lengths)
                 else:
-                    blocks = blocks_for_capacity(geo.cache, capacity)
+                    blocks = blocks_for_capacity(dep.cache, capacity)
                 check_num_blocks(blocks, f"{label} at capacity {exact_size(capacity)}")
-                sized = replace(tiered, cache=replace(geo.cache, num_blocks=blocks))
+                sized = replace(tiered, cache=replace(dep.cache, num_blocks=blocks))
                 out.append(Case(label, sized, capacity, setup.label))
     return out
 
@@ -131,10 +131,10 @@ def run_case(case: Case, workload: list[WorkloadRequest], draft_accept_rate: flo
         if row["ttft_estimate_s"] is not None:
             ttft.append(row["ttft_estimate_s"])
 
-    cost = CostModel.for_deployment(case.geo)
+    cost = CostModel.for_deployment(case.deployment)
     start = time.perf_counter()
     try:
-        result = simulate(case.geo, workload, cost, None, draft_accept_rate, sink=collect)
+        result = simulate(case.deployment, workload, cost, None, draft_accept_rate, sink=collect)
     except (WorkloadError, SimulationError, ValueError) as exc:
         where = f"{case.label} at capacity {exact_size(case.capacity)}"
         if case.tiers != TierSetup().label:
@@ -146,7 +146,7 @@ def run_case(case: Case, workload: list[WorkloadRequest], draft_accept_rate: flo
         "geometry": case.label,
         "tier_setup": case.tiers,
         "capacity_tokens": case.capacity,
-        "num_blocks": case.geo.cache.num_blocks,
+        "num_blocks": case.deployment.cache.num_blocks,
         "requests": s["requests"],
         "prompt_tokens": s["queries"],
         "cached_tokens": s["hits"],
@@ -245,7 +245,7 @@ def _throttled(
     held, next_case = 0, 0  # blocks of the running cases; the next case to submit
     while next_case < len(cases) or running:
         while next_case < len(cases) and len(running) < workers:
-            need = cases[next_case].geo.cache.num_blocks
+            need = cases[next_case].deployment.cache.num_blocks
             if running and held + need > MAX_BLOCKS_AT_ONCE:
                 break  # it waits for the running ones to make room
             running[pool.submit(_run_in_worker, cases[next_case], rate)] = next_case
@@ -254,7 +254,7 @@ def _throttled(
         finished, _ = wait(running, return_when=FIRST_COMPLETED)
         for future in finished:
             i = running.pop(future)
-            held -= cases[i].geo.cache.num_blocks
+            held -= cases[i].deployment.cache.num_blocks
             yield i, future.result()
 
 

@@ -121,7 +121,7 @@ def _fail(message: object, code: int = 2) -> int:
     return code
 
 
-def _geometries(specs: list[str]) -> list[tuple[str, Deployment]]:
+def _deployments(specs: list[str]) -> list[tuple[str, Deployment]]:
     out: list[tuple[str, Deployment]] = []
     for spec in specs:
         if any(label == spec for label, _ in out):
@@ -168,9 +168,9 @@ def run(args: argparse.Namespace) -> int:
         capacities = parse_capacities(args.capacity)
         setups = _setups(args)
         _check_options(args)
-        geometries = _geometries(args.geometry)
+        deployments = _deployments(args.geometry)
         workload = read_workload_arg(args.workload, args, "kvreuse sweep")
-        cases = cases_for(geometries, capacities, workload, setups, args.store_admission)
+        cases = cases_for(deployments, capacities, workload, setups, args.store_admission)
     except (GeometryError, ConfigError, WorkloadError, OSError, ValueError) as exc:
         return _fail(exc)
     clear_outputs(args.out, OUTPUTS)
@@ -191,14 +191,14 @@ def run(args: argparse.Namespace) -> int:
     except ConnectionError as exc:  # Ray could not reach ADDRESS
         return _fail(f"--ray {args.ray}: {exc}")
     except KeyboardInterrupt:
-        _write(args, geometries, capacities, done, time.monotonic() - started, interrupted=True)
+        _write(args, deployments, capacities, done, time.monotonic() - started, interrupted=True)
         return _fail(
             f"interrupted after {len(done)} of {len(cases)} cases; they are in "
             f"{args.out}/sweep.json",
             INTERRUPTED,
         )
     elapsed = time.monotonic() - started
-    doc = _write(args, geometries, capacities, rows, elapsed, interrupted=False)
+    doc = _write(args, deployments, capacities, rows, elapsed, interrupted=False)
     print(json.dumps(doc, indent=2) if args.json else "\n".join(sweep_table(rows)))
     if not args.quiet:
         rate = len(rows) / elapsed if elapsed > 0 else math.inf
@@ -231,7 +231,7 @@ def _name(row: Row) -> str:
 
 def _write(
     args: argparse.Namespace,
-    geometries: list[tuple[str, Deployment]],
+    deployments: list[tuple[str, Deployment]],
     capacities: list[int | None],
     rows: list[Row],
     elapsed_s: float,
@@ -240,7 +240,9 @@ def _write(
     out: Path = args.out
     doc = {
         "workload": str(args.workload),
-        "geometries": [{"geometry": label, "cost": _cost_fields(geo)} for label, geo in geometries],
+        "geometries": [
+            {"geometry": label, "cost": _cost_fields(dep)} for label, dep in deployments
+        ],
         "capacities": [exact_size(c) for c in capacities],
         "interrupted": interrupted,
         # the sweep's own wall time (the cases' wall_s add up to more with --jobs > 1)
@@ -258,8 +260,8 @@ def _write(
     return doc
 
 
-def _cost_fields(geo: Deployment) -> dict[str, float]:
-    model = CostModel.for_deployment(geo)
+def _cost_fields(dep: Deployment) -> dict[str, float]:
+    model = CostModel.for_deployment(dep)
     return {
         "prefill_tokens_per_s": model.prefill_tokens_per_s,
         "decode_step_s": model.decode_step_s,
