@@ -119,21 +119,21 @@ class LLM:
         hf = model is not None and is_hf_model_dir(model)
         if geometry is None:
             geometry = model if hf and model is not None else DEFAULT_GEOMETRY
-        geo = resolve(geometry)
-        self.deployment = geo
+        dep = resolve(geometry)
+        self.deployment = dep
         changes: dict[str, object] = {"enable_prefix_caching": enable_caching}
         if num_blocks is not None:
             check_num_blocks(num_blocks, "LLM(num_blocks=...)")
             changes["num_blocks"] = num_blocks
-        cache = replace(geo.cache, **changes)  # type: ignore[arg-type]
+        cache = replace(dep.cache, **changes)  # type: ignore[arg-type]
         self.tokenizer = self._load_tokenizer(model, tokenizer)
         self.model: Model
         if model is None:
             # the embedded model's vocabulary is exactly its tokenizer's, so every id it
             # generates decodes to text
-            config = default_model_config(cache, self.tokenizer.vocab_size, geo.max_model_len)
+            config = default_model_config(cache, self.tokenizer.vocab_size, dep.max_model_len)
             self.model = TinyModel.random(config, seed)
-            self.model_name = f"kvreuse-tiny-{geo.name}"
+            self.model_name = f"kvreuse-tiny-{dep.name}"
         else:
             self.model = load_hf_model(model) if hf else load_model(model)
             self.model_name = Path(model).name
@@ -143,7 +143,7 @@ class LLM:
                 f"{self.model.config.vocab_size}"
             )
         check_model_fits(self.model.config, cache)
-        spec, num_spec_tokens = self._speculation(spec, num_spec_tokens, geo.sched.num_spec_tokens)
+        spec, num_spec_tokens = self._speculation(spec, num_spec_tokens, dep.sched.num_spec_tokens)
         weights = self.model.w if isinstance(self.model, TinyModel) else self.model.family.w
         if tiers:
             read = Path(model) / "config.json" if model is not None else self.model.config
@@ -155,24 +155,24 @@ class LLM:
         self.runner.transfers.media = [t.spec.medium for t in self.mgr.tiers.tiers]
         self.runner.on_tier_faults = self.mgr.tier_faults
         self.scheduler = Scheduler(
-            self.mgr, self.runner, replace(geo.sched, num_spec_tokens=num_spec_tokens)
+            self.mgr, self.runner, replace(dep.sched, num_spec_tokens=num_spec_tokens)
         )
         limit = self.model.config.max_position_embeddings
-        self.max_model_len = min(geo.max_model_len or limit, limit)
+        self.max_model_len = min(dep.max_model_len or limit, limit)
         self._ids = itertools.count()
 
     def _speculation(
-        self, spec: str | None, num: int | None, geo_num: int
+        self, spec: str | None, num: int | None, dep_num: int
     ) -> tuple[str | None, int]:
         """(spec method, drafts per step) from the arguments and the geometry's default."""
-        if spec is None and num is None and geo_num:
+        if spec is None and num is None and dep_num:
             spec = "eagle" if self.model.config.draft_head else "ngram"
         if spec is None:
             if num:
                 raise ValueError("num_spec_tokens > 0 needs spec='ngram' or spec='eagle'")
             return None, 0
         if num is None:
-            num = geo_num or 3
+            num = dep_num or 3
         return spec, num
 
     @staticmethod

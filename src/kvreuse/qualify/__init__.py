@@ -54,8 +54,8 @@ def main(args: argparse.Namespace) -> int:
         with _server(args) as url:
             client = Client(url)
             try:
-                geo = _given_geometry(args) if args.url and args.geometry else client.geometry()
-                runner = Runner(client, geo, args.seed, ScenarioProgress(not args.quiet))
+                dep = _given_geometry(args) if args.url and args.geometry else client.geometry()
+                runner = Runner(client, dep, args.seed, ScenarioProgress(not args.quiet))
                 run_all(runner, quick=args.quick, max_fill=args.max_fill_tokens)
             finally:
                 client.close()

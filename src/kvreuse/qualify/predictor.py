@@ -20,9 +20,9 @@ from kvreuse.sched import ReplayTokens, Scheduler, ScriptedEngine
 
 
 class RulePredictor:
-    def __init__(self, geo: Deployment) -> None:
-        self.geo = geo.cache.geometry
-        self.dense = geo.cache.recurrent_retention == "dense"
+    def __init__(self, dep: Deployment) -> None:
+        self.geo = dep.cache.geometry
+        self.dense = dep.cache.recurrent_retention == "dense"
         self.entries: set[Entry] = set()
 
     def predict(self, prompt: list[int]) -> tuple[int, int | None]:
@@ -68,10 +68,10 @@ class RulePredictor:
 
 
 class ShadowPredictor:
-    def __init__(self, geo: Deployment) -> None:
+    def __init__(self, dep: Deployment) -> None:
         self.script = ReplayTokens()
         engine = ScriptedEngine(self.script, saves="up_to_end")
-        self.sched = Scheduler(KVCacheManager(geo.cache), engine, geo.sched)
+        self.sched = Scheduler(KVCacheManager(dep.cache), engine, dep.sched)
         self.count = 0
 
     def run(self, prompt: list[int], output: list[int], salt: str | None = None) -> int:

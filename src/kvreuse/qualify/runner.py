@@ -139,17 +139,17 @@ class Runner:
     def __init__(
         self,
         client: Client,
-        geo: Deployment,
+        dep: Deployment,
         seed: int,
         progress: ScenarioProgress | None = None,
     ) -> None:
-        self.client, self.geo = client, geo
+        self.client, self.deployment = client, dep
         self.progress = progress or ScenarioProgress(enabled=False)
         self.rng = random.Random(seed)
         self.scenarios: list[Scenario] = []
         self.current: Scenario | None = None
-        self.rules = RulePredictor(geo)
-        self.shadow = ShadowPredictor(geo)
+        self.rules = RulePredictor(dep)
+        self.shadow = ShadowPredictor(dep)
 
     def tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(1, 256) for _ in range(n)]
@@ -160,7 +160,7 @@ class Runner:
         self.scenarios.append(sc)
         self.progress.start(name)
         self.client.reset()
-        self.rules, self.shadow = RulePredictor(self.geo), ShadowPredictor(self.geo)
+        self.rules, self.shadow = RulePredictor(self.deployment), ShadowPredictor(self.deployment)
         hits0, ev0, t0 = self.client.metric(HITS), self._evicted(), time.monotonic()
         self.current = sc
         try:

@@ -10,10 +10,10 @@ M = 4  # output tokens of most requests: greedy answers are compared cold vs war
 
 
 def _sizes(runner: Runner) -> tuple[int, int, int]:
-    geo = runner.geo.cache.geometry
+    geo = runner.deployment.cache.geometry
     u = geo.hash_unit
     pages = [g.page_size for g in geo.groups if g.is_attention] or [u]
-    limit = runner.client.max_model_len or runner.geo.max_model_len or 8192
+    limit = runner.client.max_model_len or runner.deployment.max_model_len or 8192
     return u, max(pages), limit
 
 
@@ -71,7 +71,7 @@ def retrieval(runner: Runner, limit: int, quick: bool) -> None:
 def pressure(runner: Runner, page: int, limit: int, quick: bool, budget: int) -> None:
     """Fill the cache past capacity with distinct sequences, then replay them twice, newest
     first: the newest are still resident, the oldest were evicted (and evict others in turn)."""
-    cfg = runner.geo.cache
+    cfg = runner.deployment.cache
     length = min(page, limit // 2)
     recurrent = sum(1 for g in cfg.geometry.groups if not g.is_attention)
     per = -(-length // page) + recurrent  # what a finished sequence leaves resident, at least

@@ -196,17 +196,17 @@ def fake_backend(
 ) -> Backend:
     """The test backend on `geometry` (default: `FAKE_GEOMETRY`, a small DCP4 hybrid), with
     `tiers` below its cache (decided by the core; a fake model has no bytes to move)."""
-    geo = load_geometry(FAKE_GEOMETRY, FAKE_NAME) if geometry is None else resolve(geometry)
+    dep = load_geometry(FAKE_GEOMETRY, FAKE_NAME) if geometry is None else resolve(geometry)
     if num_blocks is not None:
         check_num_blocks(num_blocks, "fake_backend(num_blocks=...)")  # as LLM(num_blocks=) is
-        geo = replace(geo, cache=replace(geo.cache, num_blocks=num_blocks))
-    below = [] if tiers is None else tiers.below(geo)
+        dep = replace(dep, cache=replace(dep.cache, num_blocks=num_blocks))
+    below = [] if tiers is None else tiers.below(dep)
     if tiers is not None:
-        geo = replace(geo, tiers=tiers.specs(geo))
+        dep = replace(dep, tiers=tiers.specs(dep))
     engine = ScriptedEngine(ContentTokens(), saves="at_end")
-    sched = Scheduler(KVCacheManager(geo.cache, tiers=below), engine, geo.sched)
+    sched = Scheduler(KVCacheManager(dep.cache, tiers=below), engine, dep.sched)
     turns = share_store(sched, tiers) if tiers is not None and tiers.store_shared else None
-    backend = Backend(name, ByteTokenizer(), sched, geo.max_model_len or 2048, geo)
+    backend = Backend(name, ByteTokenizer(), sched, dep.max_model_len or 2048, dep)
     backend.store_turns = turns
     return backend
 
@@ -217,10 +217,10 @@ def served_name(engine_name: str, model: str | None) -> str:
     extension ("kvreuse-tiny-hybrid-dcp4", "kvreuse-tiny-my-geometry")."""
     if model is not None:
         return Path(model).name or engine_name
-    geo = engine_name.removeprefix("kvreuse-tiny-")
-    if geo.endswith(".toml") or "/" in geo or os.sep in geo:
-        geo = Path(geo).stem
-    return "kvreuse-tiny-" + geo.removeprefix("tiny-")
+    label = engine_name.removeprefix("kvreuse-tiny-")
+    if label.endswith(".toml") or "/" in label or os.sep in label:
+        label = Path(label).stem
+    return "kvreuse-tiny-" + label.removeprefix("tiny-")
 
 
 def default_backend(
@@ -247,11 +247,11 @@ def default_backend(
     if tiers is not None and tiers.store_shared:
         held = [b for spec, b in kwargs["tiers"] if isinstance(spec, SharedTier)]
         turns = share_store(llm.scheduler, tiers, held[0].prefix.rstrip(":"), held[0].store)
-    geo = kwargs.get("geometry")
+    dep = kwargs.get("geometry")
     model_cfg = getattr(getattr(llm, "model", None), "config", None)
     vocab = getattr(model_cfg, "vocab_size", None)
     name = served_name(llm.model_name, model)
-    wanted = (geo or llm.deployment).max_model_len
+    wanted = (dep or llm.deployment).max_model_len
     notes: tuple[str, ...] = ()
     if wanted is not None and wanted > llm.max_model_len:
         notes = (
@@ -263,7 +263,7 @@ def default_backend(
         llm.tokenizer,
         llm.scheduler,
         llm.max_model_len,
-        geo,
+        dep,
         SamplingParams,
         vocab if isinstance(vocab, int) else None,
         aliases=tuple({llm.model_name} - {name}),
@@ -281,7 +281,7 @@ def release_own(tiers: list[tuple[TierSpec | SharedTier, Any]]) -> None:
 
 
 def _engine_tiers(
-    model: str | None, geometry: Deployment | None, tiers: TierOptions
+    model: str | None, dep: Deployment | None, tiers: TierOptions
 ) -> list[tuple[TierSpec | SharedTier, Any]]:
     """The LLM's tiers: the host's in this process's memory, the store's in Redis."""
     from kvreuse.engine.hf import is_hf_model_dir
@@ -291,11 +291,11 @@ def _engine_tiers(
     from kvreuse.serve.store_turns import Breaker
     from kvreuse.serve.store_view import redis_client
 
-    if geometry is None:  # the geometry LLM will pick
+    if dep is None:  # the deployment LLM will pick
         hf = model is not None and is_hf_model_dir(model)
-        geometry = resolve(model if hf and model is not None else DEFAULT_GEOMETRY)
+        dep = resolve(model if hf and model is not None else DEFAULT_GEOMETRY)
     out: list[tuple[TierSpec | SharedTier, Any]] = []
-    for spec in tiers.below(geometry):
+    for spec in tiers.below(dep):
         name = spec.spec.name if isinstance(spec, SharedTier) else spec.name
         if name == HOST_TIER:
             out.append((spec, HostTier()))
