@@ -52,13 +52,17 @@ _HASH_AND_BOUNDARY = itemgetter(0, 1)  # a StoredEntry's (hash, boundary)
 _HASH = itemgetter(0)
 
 
-def _pieces(ev: CoreStored, u: int) -> list[CoreStored]:
+def _pieces(ev: CoreStored, hash_unit: int) -> list[CoreStored]:
     """A run cut where its entries stop being one unit apart (the core sends attention runs
     whole, so this is only a safeguard); each piece keeps the run's tokens and chain."""
     entries = ev.entries
     cuts = [
         0,
-        *(i for i in range(1, len(entries)) if entries[i].boundary - entries[i - 1].boundary != u),
+        *(
+            i
+            for i in range(1, len(entries))
+            if entries[i].boundary - entries[i - 1].boundary != hash_unit
+        ),
     ]
     cuts.append(len(entries))
     return [
@@ -105,7 +109,7 @@ class RoutableFilter(UnitTree):
 
     # ------------------------------------------------------------------ stores
     def _stored_attention(self, ev: CoreStored) -> None:
-        u, entries = self.u, ev.entries
+        u, entries = self.hash_unit, ev.entries
         first, last = entries[0].boundary, entries[-1].boundary
         if last - first != (len(entries) - 1) * u:
             for piece in _pieces(ev, u):
@@ -142,23 +146,23 @@ class RoutableFilter(UnitTree):
         """A new chain below a covered parent: covered if every page end on it has its key in
         the other full groups too (its own were just stored), and then judged at once."""
         for page, idx in self.full_pages:
-            ends = hs[(-r.first) % page // self.u :: page // self.u]
+            ends = hs[(-r.first) % page // self.hash_unit :: page // self.hash_unit]
             if idx is not self.att and not all(map(idx.__contains__, ends)):
                 self.dirty.update(hs)  # some page end is missing: unit by unit
                 self.cover(hs[0])
                 return
         if not self.judge_runs:
-            r.flags[:] = bytes((COV,)) * r.n
+            r.flags[:] = bytes((COV,)) * r.num_entries
             self.dirty.update(hs)
             return
         # routable where every other group that needs a key at the boundary has one
-        good: Sequence[int] = range(r.n)
+        good: Sequence[int] = range(r.num_entries)
         for idx in self.keyed_others:
             good = list(compress(good, map(idx.__contains__, hs)))
-        if len(good) == r.n:
-            r.flags[:] = bytes((COV | ROUT,)) * r.n
+        if len(good) == r.num_entries:
+            r.flags[:] = bytes((COV | ROUT,)) * r.num_entries
         else:
-            r.flags[:] = bytes((COV,)) * r.n
+            r.flags[:] = bytes((COV,)) * r.num_entries
             for j in good:
                 r.flags[j] |= ROUT
         if good:  # publish up to the deepest routable unit
@@ -205,7 +209,7 @@ class RoutableFilter(UnitTree):
         if b is None:
             return  # not in the index (every unit there is known)
         r = self.node[h]
-        j = (b - r.first) // self.u
+        j = (b - r.first) // self.hash_unit
         k = r.i0 + j + 1
         if h in self.extra or (k < len(r.chain) and r.chain[k] in self.node):
             self.holes[h] = b  # children name it: it stays known, out of the index
@@ -229,11 +233,11 @@ class RoutableFilter(UnitTree):
         del self.node[h]
         self.dirty.discard(h)
         if r.owned:
-            if j == r.n - 1:
-                r.n = j  # the run just gets shorter
+            if j == r.num_entries - 1:
+                r.num_entries = j  # the run just gets shorter
             else:
                 r.owned = False
-        if b == self.u:
+        if b == self.hash_unit:
             return
         p = r.chain[k - 2]
         if p in self.extra:

@@ -46,16 +46,17 @@ _BOUNDARY_AND_HASH = itemgetter(0, 1)
 class Run:
     """An attention `BlockStored` (one chain of units) and the flags of the units it owns."""
 
-    __slots__ = ("chain", "ev", "first", "flags", "i0", "n", "owned")
+    __slots__ = ("chain", "ev", "first", "flags", "i0", "num_entries", "owned")
 
-    def __init__(self, ev: CoreStored, u: int) -> None:
+    def __init__(self, ev: CoreStored, hash_unit: int) -> None:
         self.ev = ev
         self.chain = ev.unit_hashes  # H[token_start/u] … H[last/u]
         self.first = ev.entries[0].boundary
-        self.i0 = (self.first - ev.token_start) // u  # chain[i0 + j] is entry j
-        self.n = len(ev.entries)  # entries [0, n) are all this run's own while `owned`
+        self.i0 = (self.first - ev.token_start) // hash_unit  # chain[i0 + j] is entry j
+        # entries [0, num_entries) are all this run's own while `owned`
+        self.num_entries = len(ev.entries)
         self.owned = False
-        self.flags = bytearray(self.n)
+        self.flags = bytearray(self.num_entries)
 
 
 class UnitTree:
@@ -63,7 +64,7 @@ class UnitTree:
 
     def __init__(self, geo: Geometry) -> None:
         self.geo = geo
-        self.u = geo.hash_unit
+        self.hash_unit = geo.hash_unit
         self.gid = attention_group(geo).group_id
         self.drop = geo.spec_mode == "drop"
         self.groups = {g.group_id: g for g in geo.cacheable}
@@ -107,7 +108,7 @@ class UnitTree:
 
     def bounds(self, first: int, last: int) -> list[int]:
         """[first, first + u, …, last] as shared int objects."""
-        u, have = self.u, self.boundaries
+        u, have = self.hash_unit, self.boundaries
         if len(have) <= last // u:
             have.extend(range(len(have) * u, last + u, u))
         return have[first // u : last // u + 1]
@@ -120,7 +121,7 @@ class UnitTree:
     def at(self, h: bytes) -> tuple[Run, int]:
         """A known unit's run and its entry there."""
         r = self.node[h]
-        return r, (self.boundary(h) - r.first) // self.u
+        return r, (self.boundary(h) - r.first) // self.hash_unit
 
     def flag(self, h: bytes | None, bit: int) -> int:
         """`bit` of a unit (0 for an unknown one; COV for None, the empty prefix)."""
@@ -133,7 +134,7 @@ class UnitTree:
 
     def parent(self, h: bytes) -> bytes | None:
         r, j = self.at(h)
-        return None if r.first + j * self.u == self.u else r.chain[r.i0 + j - 1]
+        return None if r.first + j * self.hash_unit == self.hash_unit else r.chain[r.i0 + j - 1]
 
     def on_chain(self, h: bytes) -> bytes | None:
         """The unit after `h` on its run's chain (known or not)."""
@@ -178,10 +179,10 @@ class UnitTree:
     def drop_unit(self, h: bytes, r: Run, j: int) -> None:
         """Forget one unit whose flags say nothing any more (its entry is cleared)."""
         r.flags[j] = 0
-        if r.owned and j != r.n - 1:
+        if r.owned and j != r.num_entries - 1:
             r.owned = False  # a hole in the middle: the run's bulk steps stop
         elif r.owned:
-            r.n = j  # the cache evicts chains from their end: the run just gets shorter
+            r.num_entries = j  # the cache evicts chains from their end: the run just gets shorter
         del self.node[h]
         self.holes.pop(h, None)
         self.dirty.discard(h)
@@ -194,21 +195,21 @@ class UnitTree:
             if r.flags[j] & PUB:  # never: an unroutable leaf is retracted before this
                 r.flags[j] &= ~ROUT
                 self.unpublish(h)
-            if r.owned and j == r.n - 1:
+            if r.owned and j == r.num_entries - 1:
                 above = r.chain[r.i0 : r.i0 + j]
                 keep = bytes(map(self.att.__contains__, above)).rfind(1)
                 for x in filter(self.extra.__contains__, above[keep + 1 :]):
-                    keep = max(keep, (self.holes[x] - r.first) // self.u)
+                    keep = max(keep, (self.holes[x] - r.first) // self.hash_unit)
                 if r.flags[keep + 1 : j].translate(IS_PUB).find(1) < 0:
                     for x in r.chain[r.i0 + keep + 1 : r.i0 + j + 1]:
                         del self.node[x]
                         self.holes.pop(x, None)
                         self.dirty.discard(x)
                     r.flags[keep + 1 : j + 1] = bytes(j - keep)
-                    r.n = keep + 1
+                    r.num_entries = keep + 1
                     if keep >= 0:
                         return
-                    h, p = r.chain[r.i0], None if r.first == self.u else r.chain[r.i0 - 1]
+                    h, p = r.chain[r.i0], None if r.first == self.hash_unit else r.chain[r.i0 - 1]
                     if p is not None:
                         self.unlink(p, h)
                     h = p
@@ -286,11 +287,11 @@ class UnitTree:
             return False
         page = g.page_size
         lowest = (lo // page + 1) * page  # the first needed page end; the last is below b
-        x, y = self.parent(h), b - self.u
+        x, y = self.parent(h), b - self.hash_unit
         while y >= lowest and x is not None:
             if y % page == 0 and x not in idx:
                 return False
-            x, y = self.parent(x), y - self.u
+            x, y = self.parent(x), y - self.hash_unit
         return True
 
     def _drop_ok(self, h: bytes) -> bool:
@@ -303,7 +304,7 @@ class UnitTree:
             x = self.parent(x)
         path.append(b"")  # H[0] is never looked up
         path.reverse()
-        num_tokens, b = len(path) * self.u + 1, self.boundary(h)
+        num_tokens, b = len(path) * self.hash_unit + 1, self.boundary(h)
         for c in self.kids_of(h):
             if c in self.att:
                 chain = HashChain([*path, c])
@@ -326,7 +327,7 @@ class UnitTree:
                 self.touched.add(r)
                 if k >= 0:
                     return
-                x = None if r.first == self.u else r.chain[r.i0 - 1]
+                x = None if r.first == self.hash_unit else r.chain[r.i0 - 1]
             else:
                 if gone.pop(x, None) is None:
                     r.flags[j] |= PUB | CAME
@@ -353,22 +354,22 @@ class UnitTree:
             # so does one with a published child off the run
             stop = r.flags[:j].translate(IS_ROUT).rfind(1)
             for x in filter(self.extra.__contains__, r.chain[r.i0 + stop + 1 : r.i0 + j]):
-                i = (self.boundary(x) - r.first) // self.u
+                i = (self.boundary(x) - r.first) // self.hash_unit
                 # (kids_of(x)[0] is x's next unit on this run, the one just retracted)
                 if i > stop and any(self.flag(c, PUB) for c in self.kids_of(x)[1:]):
                     stop = i
             self._retract(r, stop + 1, j + 1)
             if stop >= 0:
                 return
-            h = None if r.first == self.u else r.chain[r.i0 - 1]
+            h = None if r.first == self.hash_unit else r.chain[r.i0 - 1]
 
     def _retract(self, r: Run, a: int, b: int) -> None:
         """Unpublish the entries [a, b) of a run that owns them; those published before this
         batch go to `gone`."""
         flags = r.flags[a:b]
         before = compress(range(a, b), flags.translate(PUB_NOT_CAME))
-        first = r.first + a * self.u
-        bounds = self.bounds(first, r.first + (b - 1) * self.u)
+        first = r.first + a * self.hash_unit
+        bounds = self.bounds(first, r.first + (b - 1) * self.hash_unit)
         self.gone.update((r.chain[r.i0 + i], bounds[i - a]) for i in before)
         r.flags[a:b] = flags.translate(ALL_BUT_PUB_CAME)
 
@@ -382,7 +383,7 @@ class UnitTree:
             while a >= 0:
                 b = mask.find(0, a)
                 b = len(mask) if b < 0 else b
-                out.append((r.first + a * self.u, r.chain[r.i0 + a], r, a, b))
+                out.append((r.first + a * self.hash_unit, r.chain[r.i0 + a], r, a, b))
                 a = mask.find(1, b)
             r.flags[:] = r.flags.translate(ALL_BUT_CAME)
         self.touched.clear()

@@ -42,7 +42,7 @@ def emit_stored(
     entries [a, b) of a run, in order of their first boundary, so every parent goes before
     its child). A stretch is a slice of its run's chain and tokens; one that continues the
     previous event's chain extends that event."""
-    u = tree.u
+    u = tree.hash_unit
     for _, _, r, a, b in stretches:
         ev, start = r.ev, r.ev.token_start
         first, last = r.first + a * u, r.first + (b - 1) * u
@@ -83,5 +83,7 @@ def _append(
         return
     spec = (tree.geo.groups[tree.gid].wire_kind, None)
     out.append(
-        stored_run(low64(stretch), up, list(tokens), tree.u, tree.gid, spec, lora, extra, lookahead)
+        stored_run(
+            low64(stretch), up, list(tokens), tree.hash_unit, tree.gid, spec, lora, extra, lookahead
+        )
     )
