@@ -94,9 +94,9 @@ class _Lookup:
 
     def __init__(self, geo: Geometry, req: OracleRequest, entries: Collection[Entry]) -> None:
         self.geo, self.req, self.entries = geo, req, set(entries)
-        self.u = geo.hash_unit
-        self.n = num_units(geo, req)
-        self.top = min(len(req.tokens) - 1, self.n * self.u) // self.u * self.u
+        u, n = geo.hash_unit, num_units(geo, req)
+        self.hash_unit, self.num_units = u, n
+        self.top = min(len(req.tokens) - 1, n * u) // u * u
         self.groups = [g for g in geo.groups if g.cacheable]
         self._idents: dict[int, Ident] = {}
 
@@ -108,13 +108,14 @@ class _Lookup:
     def has(self, g: GroupGeometry, b: int, keys: set[Entry] | None = None) -> bool:
         """has(g, b) of spec 7.1 (against `keys`, the entries by default)."""
         keys = self.entries if keys is None else keys
-        ok_boundary = 0 < b <= self.n * self.u and b % self.u == 0
+        u, n = self.hash_unit, self.num_units
+        ok_boundary = 0 < b <= n * u and b % u == 0
         return ok_boundary and (g.group_id, b, self.ident(b)) in keys
 
     def page_entries(self, g: GroupGeometry, x: int) -> range:
         """Boundaries b of page p(x) with x ≤ b ≤ min((p+1)·B, n·u), ascending (F2)."""
-        p = (x - 1) // g.page_size
-        return range(x, min((p + 1) * g.page_size, self.n * self.u) + 1, self.u)
+        p, u, n = (x - 1) // g.page_size, self.hash_unit, self.num_units
+        return range(x, min((p + 1) * g.page_size, n * u) + 1, u)
 
     def covered(self, g: GroupGeometry, x: int, lo: int) -> bool:
         """x > 0: full keys for the pages of [lo, x) before p(x), and (F2) for page p(x)."""
@@ -143,13 +144,14 @@ class _Lookup:
         not of x + u's. For full attention ok(x + u) implies ok(x), so 15.2 is unchanged there.
         """
         if margin and self.geo.spec_mode == "drop" and g.role == "draft" and x > 0:
-            return x + self.u <= self.n * self.u and self.ok(g, x + self.u) and self.ok(g, x)
+            u, n = self.hash_unit, self.num_units
+            return x + u <= n * u and self.ok(g, x + u) and self.ok(g, x)
         return self.ok(g, x)
 
     def best(self, groups: Iterable[GroupGeometry], margin: bool = True) -> int:
         """The largest candidate accepted by every group in `groups`, enumerated from top down."""
         groups = list(groups)
-        for x in range(self.top, 0, -self.u):
+        for x in range(self.top, 0, -self.hash_unit):
             if all(self.accepts(g, x, margin) for g in groups):
                 return x
         return 0
@@ -159,7 +161,7 @@ class _Ask:
     """The predicates of one group, as a kind's plain rule reads them (`PlainAsk`)."""
 
     def __init__(self, look: _Lookup, g: GroupGeometry) -> None:
-        self.look, self.g, self.u = look, g, look.u
+        self.look, self.g, self.u = look, g, look.hash_unit
 
     def has(self, b: int) -> bool:
         return self.look.has(self.g, b)
@@ -180,7 +182,7 @@ def oracle(
     `skip_read`) the hit is 0, the bounds are all 0 and `top`, `n` are still reported (7.1).
     """
     look = _Lookup(geo, req, entries)
-    top, n, u = look.top, look.n, look.u
+    top, n, u = look.top, look.num_units, look.hash_unit
     if not geo.caching_enabled or req.skip_read:
         reason = "disabled" if not geo.caching_enabled else "skip_read"
         return OracleResult(0, reason, None, (0, 0, 0, 0), top, n)

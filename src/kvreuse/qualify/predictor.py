@@ -48,10 +48,17 @@ class RulePredictor:
                     self.entries.add((g.group_id, c, ident(geo, req, c)))
 
     def _states(
-        self, m: int, prompt_len: int, committed: int, n: int, hit: int, junction: int | None
+        self,
+        page_size: int,
+        prompt_len: int,
+        committed: int,
+        hashed_units: int,
+        hit: int,
+        junction: int | None,
     ) -> set[int]:
         """Positions of the recurrent states a request publishes (9.4, 10.4)."""
         geo, u, s = self.geo, self.geo.hash_unit, self.geo.common_page
+        m, n = page_size, hashed_units
         n_prompt = max(0, (prompt_len - geo.lookahead) // u)
         marks = [replay_point(geo, prompt_len)]
         if junction is not None and junction > hit:
