@@ -56,8 +56,8 @@ def main() -> None:
                 opts = GeometryOptions(
                     dcp_size=dcp, block_size=4, capacity_tokens=4096, max_num_batched_tokens=32
                 )
-                geo = load_geometry(model_geometry(directory, opts), family)
-                llm = LLM(model=str(directory), geometry=geo, enable_caching=False)
+                dep = load_geometry(model_geometry(directory, opts), family)
+                llm = LLM(model=str(directory), geometry=dep, enable_caching=False)
                 llm.runner.record_logits = True
                 res = llm.generate([prompt], sp)[0]
                 full = prompt + res.token_ids[:-1]

@@ -140,8 +140,8 @@ class Soak:
 
 
 def soak(geometry: str, num_ops: int, seed: int, check_every: int) -> dict[str, Any]:
-    geo = preset(geometry)
-    cfg = replace(geo.cache, num_blocks=48)  # small: admissions fail, blocks are evicted
+    dep = preset(geometry)
+    cfg = replace(dep.cache, num_blocks=48)  # small: admissions fail, blocks are evicted
     mgr = KVCacheManager(cfg)
     s = Soak(mgr, random.Random(seed), mgr.geo.hash_unit)
     checks, next_check, t0 = 0, check_every, time.perf_counter()

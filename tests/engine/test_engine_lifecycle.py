@@ -57,11 +57,11 @@ def test_preemption_leaves_outputs_unchanged(geometry: str, num_blocks: int, len
 
 
 def test_abort_mid_prefill_and_mid_decode() -> None:
-    geo = preset("tiny-hybrid-dcp4")
-    geo = dataclasses.replace(geo, sched=dataclasses.replace(geo.sched, max_num_batched_tokens=40))
+    dep = preset("tiny-hybrid-dcp4")
+    dep = dataclasses.replace(dep, sched=dataclasses.replace(dep.sched, max_num_batched_tokens=40))
     prompts = _prompts(3, 120, seed=2)
     ref = _reference("tiny-hybrid-dcp4", prompts, 10)
-    llm = LLM(geometry=geo)
+    llm = LLM(geometry=dep)
     aborted: dict[str, str] = {}
 
     def on_step(sched) -> None:

@@ -21,8 +21,8 @@ from kvreuse.deployment import (
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_load(name: str) -> None:
-    geo = preset(name)
-    assert geo.cache.geometry.groups
+    dep = preset(name)
+    assert dep.cache.geometry.groups
 
 
 def test_hybrid_preset_is_the_dcp4_hybrid() -> None:
@@ -32,7 +32,7 @@ def test_hybrid_preset_is_the_dcp4_hybrid() -> None:
 
 
 def test_scheduler_knobs_and_capacity_tokens() -> None:
-    geo = load_geometry("""
+    dep = load_geometry("""
         [cache]
         capacity_tokens = 8192
         dcp_size = 4
@@ -43,10 +43,10 @@ def test_scheduler_knobs_and_capacity_tokens() -> None:
         kind = "full"
         block_size = 16
     """)
-    assert geo.sched.max_num_seqs == 7 and geo.sched.max_num_batched_tokens == 512
-    assert geo.max_model_len == 4096
-    assert geo.cache.num_blocks == 1 + 8192 // 64
-    assert geo.cache.capacity_tokens() == 8192
+    assert dep.sched.max_num_seqs == 7 and dep.sched.max_num_batched_tokens == 512
+    assert dep.max_model_len == 4096
+    assert dep.cache.num_blocks == 1 + 8192 // 64
+    assert dep.cache.capacity_tokens() == 8192
 
 
 @pytest.mark.parametrize(

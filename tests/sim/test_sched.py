@@ -169,12 +169,12 @@ def test_hybrid_burst_waits_for_the_attention_that_reveals_its_junction() -> Non
     cannot know where others diverge), so pending_hit stays 0 while it computes. Deferring on
     the pending attention bound (pending_bounds[2]) lets the second request see the junction,
     save the state there, and everyone after it reuse the prefix."""
-    geo = preset("hybrid-dcp4")
+    dep = preset("hybrid-dcp4")
     prefix = tokens(1024, 1)
     cached = {}
     for defer in (True, False):
-        mgr = KVCacheManager(replace(geo.cache, enable_events=False))
-        sched = Scheduler(mgr, FakeEngine(), replace(geo.sched, defer_shared_prefix=defer))
+        mgr = KVCacheManager(replace(dep.cache, enable_events=False))
+        sched = Scheduler(mgr, FakeEngine(), replace(dep.sched, defer_shared_prefix=defer))
         for i in range(8):
             sched.add(Request(f"p{i}", prefix + tokens(1024, 100 + i)), max_tokens=2)
         drain(sched)

@@ -59,9 +59,9 @@ def test_a_small_host_sends_its_oldest_blocks_to_the_store() -> None:
 
 
 def test_tier_options_take_sizes_and_size_in_blocks_of_the_pool() -> None:
-    geo = with_tiers(preset("attention-16"), 3_000_000, 10_000)
-    assert [(t.name, t.num_blocks) for t in geo.tiers] == [("host", 187_500), ("store", 625)]
-    assert with_tiers(geo, None, None) is geo
+    dep = with_tiers(preset("attention-16"), 3_000_000, 10_000)
+    assert [(t.name, t.num_blocks) for t in dep.tiers] == [("host", 187_500), ("store", 625)]
+    assert with_tiers(dep, None, None) is dep
 
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

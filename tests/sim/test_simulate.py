@@ -201,13 +201,13 @@ def test_draft_acceptance_rate_drives_decode_steps() -> None:
     """With drafts on, every accepted draft saves a decode step; outputs and reuse don't change."""
     from kvreuse.deployment import load_geometry
 
-    geo = load_geometry(
+    dep = load_geometry(
         '[cache]\nnum_blocks = 2048\nspec_mode = "lookahead"\nlookahead_tokens = 1\n'
         "num_spec_tokens = 3\n"
         '[[groups]]\nkind = "full"\nblock_size = 16\n'
     )
     wl = load(shared_prefix(256, 32, 4, max_tokens=40))
-    runs = {rate: simulate(geo, wl, draft_accept_rate=rate) for rate in (0.0, 1.0)}
+    runs = {rate: simulate(dep, wl, draft_accept_rate=rate) for rate in (0.0, 1.0)}
     none, every = runs[0.0].summary, runs[1.0].summary
     assert none["reconciled"] and every["reconciled"]
     assert every["steps"] < none["steps"]
@@ -269,10 +269,10 @@ def test_the_spec_presets_speculate() -> None:
 def test_a_recurrent_only_geometry_simulates_with_an_unbounded_capacity() -> None:
     from kvreuse.deployment import load_geometry
 
-    geo = load_geometry(
+    dep = load_geometry(
         '[cache]\nnum_blocks = 16\n[[groups]]\nkind = "recurrent"\nblock_size = 16\n'
     )
-    s = simulate(geo, load(resend_grid([100]))).summary
+    s = simulate(dep, load(resend_grid([100]))).summary
     assert s["reconciled"] and s["capacity_tokens"] is None
 
 

@@ -102,13 +102,13 @@ def test_a_serial_replay_reuses_what_the_rules_allow(fmt: str, text: list[str]) 
     block tokens, within both lengths), but not its own last token, in whole 16-token pages
     (earlier outputs share nothing: the fake engine's tokens are not the trace's)."""
     reqs = workload_of(fmt, text)
-    geo = preset("attention-16")
-    geo = replace(
-        geo,
-        cache=replace(geo.cache, num_blocks=1 << 16),
-        sched=replace(geo.sched, max_num_seqs=1),
+    dep = preset("attention-16")
+    dep = replace(
+        dep,
+        cache=replace(dep.cache, num_blocks=1 << 16),
+        sched=replace(dep.sched, max_num_seqs=1),
     )
-    result = simulate(geo, reqs)
+    result = simulate(dep, reqs)
     assert result.summary["reconciled"] and result.summary["evicted_blocks"] == 0
     blocks = [w.prompt["blocks"] for w in reqs]
     for i, row in enumerate(result.requests):
