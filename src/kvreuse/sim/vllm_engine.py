@@ -61,6 +61,12 @@ class VllmStuck(RuntimeError):
 def refusals(dep: Deployment) -> list[str]:
     """Why `dep` cannot be built as vLLM's scheduler, one line per field (empty: it can)."""
     cache, sched, out = dep.cache, dep.sched, []
+    # speculative decoding first: it also explains the drafter groups named after it
+    if cache.spec_mode != "none" or sched.num_spec_tokens:
+        out.append(
+            f"spec_mode = {cache.spec_mode!r}, num_spec_tokens = {sched.num_spec_tokens}: "
+            "speculative decoding is kvreuse's engine only; allowed: 'none' and 0"
+        )
     allowed_kinds = "full, sliding, recurrent"
     for g in cache.geometry.groups:
         where = f"group {g.group_id} ({g.kind})"
@@ -77,11 +83,6 @@ def refusals(dep: Deployment) -> list[str]:
             out.append(f"{where}: state_scratch_blocks = {g.scratch}; allowed: 0")
         if g.kind == "recurrent" and g.sharded:
             out.append(f"{where}: dcp_sharded = true; vLLM keeps Mamba states replicated")
-    if cache.spec_mode != "none" or sched.num_spec_tokens:
-        out.append(
-            f"spec_mode = {cache.spec_mode!r}, num_spec_tokens = {sched.num_spec_tokens}: "
-            "speculative decoding is kvreuse's engine only; allowed: 'none' and 0"
-        )
     if cache.hash_algo not in HASH_ALGOS:
         out.append(f"hash_algo = {cache.hash_algo!r}; allowed: {', '.join(HASH_ALGOS)}")
     if cache.hash_seed is not None:
