@@ -68,7 +68,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: F401
 
 # kvreuse simulate --engine vllm builds vLLM's scheduler from a deployment
 import kvreuse
-from kvreuse.sim.vllm_engine import import_vllm
+from kvreuse.sim.vllm_build import import_vllm
 
 import_vllm()
 print(f"vLLM venv ready: vllm {vllm.__version__}, torch {torch.__version__}, kvreuse from {kvreuse.__file__}")

@@ -20,13 +20,8 @@ from kvreuse.sim.fit import check_fit
 from kvreuse.sim.report import PLOTS, kinds_table
 from kvreuse.sim.run import SimResult
 from kvreuse.sim.tally import REPORT_ROWS
-from kvreuse.sim.vllm_engine import (
-    VllmRefusal,
-    VllmStuck,
-    check_expressible,
-    import_vllm,
-    simulate_vllm,
-)
+from kvreuse.sim.vllm_build import VllmRefusal, check_expressible, import_vllm
+from kvreuse.sim.vllm_engine import VllmStuck, simulate_vllm
 from kvreuse.sim.workload import WorkloadError, WorkloadRequest
 
 ENGINES = ("kvreuse", "vllm")
