@@ -2,7 +2,9 @@
 # Builds the Python environment in which benchmarks/vllm/core_driver.py runs vLLM's own prefix-cache
 # code on the CPU: CPU torch, vLLM 0.33.0 installed without its dependencies (its metadata asks for a
 # CUDA build of another torch), and only the packages vLLM's v1 core imports, held to the versions
-# in constraints.txt beside this script.
+# in constraints.txt beside this script. kvreuse itself is installed into it too (editable, without
+# dependencies: its core and simulator need none), so that `kvreuse simulate --engine vllm` runs there:
+#   .venv-vllm-anchor/bin/python -m kvreuse simulate --engine vllm --geometry hybrid-dcp4 grid.jsonl --out out
 #
 #   bash benchmarks/vllm/setup_venv.sh            # creates .venv-vllm-anchor in the repository root
 #
@@ -29,13 +31,13 @@ make_venv "$python" "$venv" "Python 3.11"
 # --no-warn-conflicts: vLLM's metadata lists its whole GPU stack, which is deliberately absent
 pip=("$venv/bin/python" -m pip install --quiet --no-warn-conflicts --constraint "$constraints")
 
-echo "[1/4] torch ($torch_spec)"
+echo "[1/5] torch ($torch_spec)"
 "${pip[@]}" "$torch_spec"
 
-echo "[2/4] vllm $vllm_version, without its dependencies"
+echo "[2/5] vllm $vllm_version, without its dependencies"
 "$venv/bin/python" -m pip install --quiet --no-deps "vllm==$vllm_version"
 
-echo "[3/4] what vllm.v1.core and vllm.v1.request import"
+echo "[3/5] what vllm.v1.core and vllm.v1.request import"
 # Found by importing the driver's modules until nothing was missing. xxhash is optional: it only
 # serves the driver's --hash-fns xxhash.
 "${pip[@]}" \
@@ -44,7 +46,10 @@ echo "[3/4] what vllm.v1.core and vllm.v1.request import"
     py-cpuinfo pybase64 pydantic pyzmq regex requests transformers urllib3 uvloop \
     xgrammar apache-tvm-ffi xxhash
 
-echo "[4/4] checking that the driver's imports load"
+echo "[4/5] kvreuse (editable, --no-deps: nothing of vLLM's stack is touched)"
+"$venv/bin/python" -m pip install --quiet --no-deps -e "$root"
+
+echo "[5/5] checking that the driver's imports load"
 "$venv/bin/python" - <<'PY'
 import torch
 import vllm
@@ -61,6 +66,11 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: F401
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: F401
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: F401
 
-print(f"vLLM venv ready: vllm {vllm.__version__}, torch {torch.__version__}")
+# kvreuse simulate --engine vllm builds vLLM's scheduler from a deployment
+import kvreuse
+from kvreuse.sim.vllm_build import import_vllm
+
+import_vllm()
+print(f"vLLM venv ready: vllm {vllm.__version__}, torch {torch.__version__}, kvreuse from {kvreuse.__file__}")
 PY
 echo "now: .venv/bin/python benchmarks/core_bench.py --json --with-anchor --rounds 3"

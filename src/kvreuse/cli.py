@@ -296,12 +296,18 @@ def _add_workload(sub: argparse._SubParsersAction) -> None:
 def _add_simulate(sub: argparse._SubParsersAction) -> None:
     from kvreuse.fleet.simulation.cli import add_fleet_arguments, fleet_requested, run_fleet
     from kvreuse.sim.cli import add_parser
+    from kvreuse.sim.vllm_cli import add_engine_argument, run_vllm
 
     add_parser(sub)
     simulate = sub.choices["simulate"]  # --replicas N runs a fleet (kvreuse.fleet sits above sim)
     add_fleet_arguments(simulate)
+    add_engine_argument(simulate)  # --engine vllm refuses the fleet's options itself
     single = simulate.get_default("func")
-    simulate.set_defaults(func=lambda a: run_fleet(a) if fleet_requested(a) else single(a))
+    simulate.set_defaults(
+        func=lambda a: (
+            run_vllm(a) if a.engine == "vllm" else run_fleet(a) if fleet_requested(a) else single(a)
+        )
+    )
 
 
 def _add_sweep(sub: argparse._SubParsersAction) -> None:
