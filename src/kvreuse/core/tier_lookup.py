@@ -20,14 +20,16 @@ same prefix loads its own copy from the tier, which still holds it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 
 from kvreuse.core.kinds import Stage
-from kvreuse.core.ledger import PlanRecord
+from kvreuse.core.ledger import PlanRecord, StepLedger
 from kvreuse.core.lookup import LookupResult
+from kvreuse.core.metrics import CacheStats
 from kvreuse.core.pool import BlockPool
-from kvreuse.core.tiers import TierStack
+from kvreuse.core.request import Deferral, RequestState
+from kvreuse.core.tiers import Keys, TierStack
 
 _TIER_STRIDE = 1 << 32
 NO_TIER_TOKENS: tuple[int, ...] = ()  # an admission that loaded nothing
@@ -206,7 +208,7 @@ class TierLoads:
         got = NO_TIER_TOKENS
         if first and self._full is not None:
             got = tuple(tier_hit_tokens(res, *self._full, len(self.tiers.tiers)))
-            self.tiers.hit_tokens = [a + b for a, b in zip(self.tiers.hit_tokens, got, strict=True)]
+            self.tiers.count_hit_tokens(got)
         res, self._pending = load_hit(self.pool, self.tiers, res)
         return res, got
 
@@ -241,3 +243,29 @@ class TierLoads:
         return [
             rec for rec, loaded in self._of.values() if any(b in block_ids for _, b, _ in loaded)
         ]
+
+
+def forget_faults(
+    stack: TierStack,
+    loads: TierLoads,
+    ledger: StepLedger,
+    stats: CacheStats,
+    slots: Iterable[tuple[int, int, int, Keys]],
+    block_ids: Iterable[int],
+) -> list[str]:
+    """What the engine could not carry out of the ops it was handed, as misses (the facade's
+    `tier_faults`): each of `slots` (tier, slot, group id, the keys of the op) is forgotten
+    while it still holds those keys; the requests whose loads fill any of `block_ids` publish
+    nothing at their step's commit and go back to wait, their admission uncounted. Returns
+    those requests' ids."""
+    for t, slot, gid, keys in slots:
+        stack.drop(t, slot, gid, keys)
+    blocks = set(block_ids)
+    recs = loads.owners(blocks) if blocks else []
+    failed: dict[str, RequestState] = {r.req.request_id: r.req for r in recs}
+    for st in failed.values():
+        loads.drop(ledger.records_of(st))
+        stats.uncount_admission(st, stack)
+        if st.deferred is None:
+            ledger.defer(st, Deferral.PREEMPT)
+    return list(failed)

@@ -218,6 +218,14 @@ class TierStack:
                 tier.holder = None
         return ops
 
+    def count_hit_tokens(self, got: Sequence[int]) -> None:
+        """A first admission's hit loaded `got` tokens from each tier (`hit_tokens`)."""
+        self.hit_tokens = [a + b for a, b in zip(self.hit_tokens, got, strict=True)]
+
+    def uncount_hit_tokens(self, got: Sequence[int]) -> None:
+        """That admission delivered nothing (its loads failed): take `got` back."""
+        self.hit_tokens = [a - b for a, b in zip(self.hit_tokens, got, strict=True)]
+
     # ------------------------------------------------------------------ sharing
     def check_turn(self) -> None:
         """SharedTierBusyError while another stack's ops on a shared tier are not yet taken."""
@@ -228,6 +236,12 @@ class TierStack:
                     "taken by its seal_step() and run; managers sharing a tier take their "
                     "steps one at a time"
                 )
+
+    def check_publish_turn(self) -> None:
+        """Before a call that may publish (commit, finish, preempt): with a tier that writes
+        through, publishing changes the tier, so it is a turn of its own too."""
+        if self.writes_through:
+            self.check_turn()
 
     def shared_version(self) -> int:
         """Grows with every change to a shared tier, whichever stack made it (a lookup made
