@@ -56,7 +56,8 @@ from kvreuse.core.events import (
     TierRemoved,
     TierStored,
 )
-from kvreuse.core.hashing import Chain, Hasher
+from kvreuse.core.hashing.chain import Chain
+from kvreuse.core.hashing.hasher import Hasher
 from kvreuse.core.kinds import (
     EntryKind,
     PagedGroup,
