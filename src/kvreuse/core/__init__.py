@@ -77,9 +77,10 @@ from kvreuse.core.plan import Copy, RecurrentSlot, RequestPlan, Save, StepPlan
 from kvreuse.core.policy import EvictionPolicy, LRUPolicy, PoolView
 from kvreuse.core.request import Deferral, MultiModalItem, Request, SavePurpose
 from kvreuse.core.savepoints import finish_point, replay_point
-from kvreuse.core.shared_tier import SharedTier, TierState
-from kvreuse.core.tier_lookup import LayeredIndex, tier_hit_tokens, tier_sources
-from kvreuse.core.tiers import DEVICE_MEDIUM, Admission, Demote, Load, Move, TierOp, TierSpec
+from kvreuse.core.tiers.ops import Demote, Load, Move, TierOp
+from kvreuse.core.tiers.shared import SharedTier, TierState
+from kvreuse.core.tiers.spec import DEVICE_MEDIUM, Admission, TierSpec
+from kvreuse.core.tiers.view import LayeredIndex, tier_hit_tokens, tier_sources
 
 __all__ = [
     "DEVICE_MEDIUM",

@@ -45,16 +45,12 @@ from kvreuse.core.savepoints import (
     replay_point,
     save_positions,
 )
-from kvreuse.core.shared_tier import SharedTier
-from kvreuse.core.tier_lookup import (
-    NO_TIER_TOKENS,
-    TierLoads,
-    TierView,
-    device_hits,
-    forget_faults,
-    tier_sources,
-)
-from kvreuse.core.tiers import Keys, TierOp, TierSpec, TierStack
+from kvreuse.core.tiers.loads import NO_TIER_TOKENS, TierLoads, forget_faults
+from kvreuse.core.tiers.ops import Keys, TierOp
+from kvreuse.core.tiers.shared import SharedTier
+from kvreuse.core.tiers.spec import TierSpec
+from kvreuse.core.tiers.stack import TierStack
+from kvreuse.core.tiers.view import TierView, device_hits, tier_sources
 from kvreuse.core.views import describe, export_entries, export_ghost
 
 
@@ -72,7 +68,7 @@ class KVCacheManager:
 
     def __init__(self, config: CacheConfig, tiers: Sequence[TierSpec | SharedTier] = ()) -> None:
         """`tiers`: memory below the pool, in order (kvreuse.core.tiers; a SharedTier is one
-        several managers share, kvreuse.core.shared_tier); none by default."""
+        several managers share, kvreuse.core.tiers.shared); none by default."""
         if not isinstance(config, CacheConfig):
             raise TypeError(f"KVCacheManager needs a CacheConfig, got {type(config).__name__}")
         for spec in tiers:

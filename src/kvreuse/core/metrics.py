@@ -17,7 +17,7 @@ from kvreuse.core.pool import BlockPool
 if TYPE_CHECKING:
     from kvreuse.core.config import Geometry
     from kvreuse.core.request import RequestState
-    from kvreuse.core.tiers import TierStack
+    from kvreuse.core.tiers.stack import TierStack
 
 COUNTER_NAMES = (
     "prefix_cache_requests",

@@ -52,7 +52,9 @@ from typing import Any, cast
 from kvreuse.core.config import CacheConfig
 from kvreuse.core.errors import ConfigError, InvariantError, SharedTierBusyError
 from kvreuse.core.events import Event, EventLog
-from kvreuse.core.tiers import Keys, Slot, Tier, TierSpec
+from kvreuse.core.tiers.ops import Keys
+from kvreuse.core.tiers.spec import TierSpec
+from kvreuse.core.tiers.tier import Slot, Tier
 
 Change = tuple[object, ...]  # ("place", slot, group id, keys) | ("take", slot) | …
 
