@@ -1,5 +1,6 @@
 """The core is pure: no I/O, no torch/numpy/asyncio (every module, subpackages included). Its
-public surface is exactly `__all__`; the tree is ruff- and mypy-clean."""
+public surface is exactly `__all__` (the API) and `kvreuse.core.spi.__all__` (the plumbing of
+the layers above), each pinned here; the tree is ruff- and mypy-clean."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 
 import kvreuse
 import kvreuse.core
+import kvreuse.core.spi
 
 CORE = Path(kvreuse.core.__file__).parent
 FORBIDDEN = {
@@ -86,8 +88,87 @@ def test_the_checks_see_the_subpackages() -> None:
     assert "kinds/base.py" in seen and "native.py" in seen
 
 
+# What an engine builder needs: the manager, its configuration and geometry, requests, results,
+# events, errors, tiers and their ops, eviction policies, the lookup over one's own index. A
+# name joins by an edit here, so that the API grows only on purpose.
+API = {
+    "KVCacheManager",
+    "CacheConfig",
+    "GroupSpec",
+    "Geometry",
+    "GroupGeometry",
+    "Request",
+    "MultiModalItem",
+    "LookupResult",
+    "Reason",
+    "RequestPlan",
+    "StepPlan",
+    "Copy",
+    "Save",
+    "RecurrentSlot",
+    "Outcome",
+    "RequestStats",
+    "Event",
+    "BlockStored",
+    "BlockRemoved",
+    "AllBlocksCleared",
+    "StoredEntry",
+    "EntryKind",
+    "TierStored",
+    "TierRemoved",
+    "ConfigError",
+    "StaleLookupError",
+    "UnknownRequestError",
+    "InvariantError",
+    "SharedTierBusyError",
+    "TierSpec",
+    "Admission",
+    "SharedTier",
+    "TierOp",
+    "Demote",
+    "Move",
+    "Load",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "IndexView",
+    "compute_lookup",
+}
+# What the project's own layers and the core's extensions (a kind, a policy) use beyond it.
+SPI = {
+    "Hasher",
+    "Chain",
+    "TOKEN_TYPECODE",
+    "Stage",
+    "PagedGroup",
+    "StateGroup",
+    "Probe",
+    "PlainAsk",
+    "register_kind",
+    "unregister_kind",
+    "PoolView",
+    "DEVICE_MEDIUM",
+    "TierState",
+    "LayeredIndex",
+    "tier_sources",
+    "tier_hit_tokens",
+    "finish_point",
+    "replay_point",
+    "Deferral",
+    "SavePurpose",
+    "StepFate",
+    "describe_core_path",
+}
+
+
+def test_the_api_and_the_spi_are_pinned() -> None:
+    assert set(kvreuse.core.__all__) == API, "kvreuse.core.__all__ changed: edit API on purpose"
+    assert set(kvreuse.core.spi.__all__) == SPI, "kvreuse.core.spi.__all__ changed: edit SPI"
+    assert not API & SPI
+    assert len(kvreuse.core.__all__) == len(API) and len(kvreuse.core.spi.__all__) == len(SPI)
+
+
 def test_all_matches_public_names() -> None:
-    for mod in (kvreuse, kvreuse.core):
+    for mod in (kvreuse, kvreuse.core, kvreuse.core.spi):
         public = {
             n
             for n in dir(mod)

@@ -40,7 +40,8 @@ from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from kvreuse.core import Geometry, LayeredIndex
+from kvreuse.core import Geometry
+from kvreuse.core.spi import LayeredIndex
 from kvreuse.events.wire import (
     MEDIUM_GPU,
     AllBlocksCleared,

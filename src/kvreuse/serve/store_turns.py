@@ -41,7 +41,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from kvreuse.core import InvariantError, SharedTier, TierState
+from kvreuse.core import InvariantError, SharedTier
+from kvreuse.core.spi import TierState
 from kvreuse.serve.store_view import (
     StoreKeys,
     decode_state,
