@@ -74,17 +74,24 @@ class Chain:
         mm_items: Sequence[MMItem] = (),
         cache_salt: str | None = None,
     ) -> None:
-        self.template = t = template
-        self.hashes: list[bytes] = [t.root]
+        self.template = template
+        self.hashes: list[bytes] = [template.root]
         # n, the number of hashed units (len(hashes) - 1): the chain proves nothing beyond n*u
         # tokens. A plain attribute, kept by `extend`: it is read several times per step.
         self.num_units = 0
+        self._keep_keys(lora, mm_items, cache_salt)
+
+    def _keep_keys(
+        self, lora: Lora | None, mm_items: Sequence[MMItem], cache_salt: str | None
+    ) -> None:
+        """Validate the extra keys and keep what `extend` needs of them (each chain its own)."""
         if lora is None and not mm_items and cache_salt is None:  # most requests: no keys
             self._base, self._salt, self._mm, self._special_max = (), (), [], 0
             self._xdef = _NO_KEYS
             return
         self._base, items, self._salt = prepare_extras(lora, mm_items, cache_salt)
         self._xdef = enc(self._base)  # X_k of every unit without mm keys or salt
+        t = self.template
         u, la = t.hash_unit, t.lookahead
         # (first unit, last unit, identifier, offset) of each item whose window meets a unit, in
         # canonical order. Only the bounds are computed here: an item may reach far beyond the
@@ -203,18 +210,11 @@ class CborChain(Chain):
 
     __slots__ = ("_items", "_lora", "_nokeys", "_xlast", "cache_salt")
 
-    def __init__(
-        self,
-        template: UnitTemplate,
-        *,
-        lora: Lora | None = None,
-        mm_items: Sequence[MMItem] = (),
-        cache_salt: str | None = None,
+    def _keep_keys(
+        self, lora: Lora | None, mm_items: Sequence[MMItem], cache_salt: str | None
     ) -> None:
         check_extras(lora, mm_items, cache_salt)
-        self.template = t = template
-        self.hashes = [t.root]
-        self.num_units = 0
+        t = self.template
         self._lora = lora
         self.cache_salt = cache_salt or None  # read by the core's BlockStored events
         self._items = sorted((it for it in mm_items if it.length > 0), key=lambda it: it.offset)
