@@ -47,7 +47,8 @@ from typing import IO, Any, TypeVar
 import kvreuse
 from kvreuse import CacheConfig, GroupSpec, KVCacheManager, Request
 from kvreuse.core import native
-from kvreuse.core.hashing import HASH_ALGOS, Hasher, algo_available
+from kvreuse.core.hashing.digests import HASH_ALGOS, algo_available
+from kvreuse.core.hashing.hasher import Hasher
 
 sys.path.insert(0, str(Path(__file__).parent))
 from anchor import (

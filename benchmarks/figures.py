@@ -122,7 +122,7 @@ def write() -> int:
 def machine(saved: bool = False, note: str | None = None) -> str:
     """This machine and its load: measured at the start of a recipe's own run; for a saved
     run's output, what `--note` says of it (else that its load was not recorded)."""
-    from kvreuse.core import describe_core_path
+    from kvreuse.core.spi import describe_core_path
 
     load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     if saved:

@@ -12,9 +12,9 @@ Operators: the command line (`kvreuse serve | qualify | simulate | workload | de
 geometry files). `LLM` and `SamplingParams` are the embedded PyTorch engine's offline API,
 loaded on first use: `import kvreuse` does not import torch.
 
-Researchers: `EvictionPolicy` (with `LRUPolicy` and the `PoolView` it reads) to try another
-eviction order; the oracle (`kvreuse.oracle`), the slow reference model the core is tested
-against; the simulator (`kvreuse.sim`).
+Researchers: `EvictionPolicy` (with `LRUPolicy`, and the `PoolView` it reads from
+`kvreuse.core.spi`) to try another eviction order; the oracle (`kvreuse.oracle`), the slow
+reference model the core is tested against; the simulator (`kvreuse.sim`).
 """
 
 from importlib.util import find_spec as _find_spec

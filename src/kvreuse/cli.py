@@ -356,7 +356,7 @@ def _version() -> str:
     """The package version and the core path in use: native C kernels or pure Python."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from kvreuse.core import describe_core_path
+    from kvreuse.core.spi import describe_core_path
 
     try:
         number = version("kvreuse")

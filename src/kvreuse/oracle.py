@@ -15,7 +15,8 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvreuse.core import Geometry, GroupGeometry, Stage
+from kvreuse.core import Geometry, GroupGeometry
+from kvreuse.core.spi import Stage
 
 ExtraKeys = tuple[tuple[Any, ...], ...]  # X_k: typed tuples ("lora", …), ("mm", …), ("salt", …)
 Ident = tuple[tuple[int, ...], tuple[ExtraKeys, ...]]  # (tok[0 : b+L], (X_1, …, X_{b/u}))

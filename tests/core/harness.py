@@ -662,7 +662,7 @@ def snapshot(mgr: KVCacheManager) -> tuple:
         list(pool.ref),
         pool.policy.order() if hasattr(pool.policy, "order") else None,
         mgr.export_entries(),
-        dict(mgr.counters),
+        dict(mgr.stats.counters),
         mgr.events.seq,
         len(mgr.events.pending),
         sorted(mgr.requests),

@@ -16,19 +16,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from depth import scaled
-from kvreuse.core import hashing
-from kvreuse.core.hashing import (
+from kvreuse.core.encoding import TokenArray, enc
+from kvreuse.core.hashing import digests
+from kvreuse.core.hashing.digests import (
     ENCODED_ALGOS,
     HASH_ALGOS,
-    Hasher,
-    TokenArray,
     algo_available,
     default_seed,
-    enc,
     make_digest,
     root_hash,
-    unit_extra_keys,
 )
+from kvreuse.core.hashing.hasher import Hasher
+from kvreuse.core.hashing.keys import unit_extra_keys
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -489,7 +488,7 @@ def test_hasher_rejects(kwargs: dict, exc: type[Exception]) -> None:
 
 def test_default_seed_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
     assert default_seed("sha256") == "kvreuse/v1"
-    monkeypatch.setattr(hashing, "_random_seed", None)
+    monkeypatch.setattr(digests, "_random_seed", None)
     with pytest.warns(UserWarning, match="random per-process seed"):
         seed = default_seed("xxh3_128")
     assert isinstance(seed, bytes) and len(seed) == 32
@@ -502,15 +501,15 @@ def test_default_seed_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_unseeded_fast_hasher_warns(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(hashing, "_random_seed", None)
+    monkeypatch.setattr(digests, "_random_seed", None)
     with pytest.warns(UserWarning):
         unseeded = Hasher("blake3")
-    assert unseeded.root == Hasher("blake3", seed=hashing._random_seed).root
+    assert unseeded.root == Hasher("blake3", seed=digests._random_seed).root
 
 
 ROOT_SCRIPT = (
-    "import sys, warnings; warnings.simplefilter('ignore'); from kvreuse.core.hashing import "
-    "Hasher; a = sys.argv[1]; s = sys.argv[2] or None; "
+    "import sys, warnings; warnings.simplefilter('ignore'); from kvreuse.core.hashing.hasher "
+    "import Hasher; a = sys.argv[1]; s = sys.argv[2] or None; "
     "print(Hasher(a, seed=s).hash_units(list(range(40)))[-1].hex())"
 )
 

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from depth import scaled
 from kvreuse.core import CacheConfig, ConfigError, GroupSpec, KVCacheManager, MultiModalItem, native
-from kvreuse.core.hashing import Hasher
-from kvreuse.core.hashing_cbor import block_extra_keys, block_hash, cbor, none_hash
+from kvreuse.core.hashing.cbor import block_extra_keys, block_hash, cbor, none_hash
+from kvreuse.core.hashing.hasher import Hasher
 from kvreuse.events.wire import hash64
 
 VLLM_NONE_HASH_4242 = "b64678896fa8f06dcbc445f266ae70b818b56af9181623bfd85f4927d77bb3b1"

@@ -20,16 +20,9 @@ from hypothesis import strategies as st
 
 from harness import Driver, Engine, Known
 from kvreuse import CacheConfig, GroupSpec, KVCacheManager, LookupResult, Request
-from kvreuse.core import (
-    ConfigError,
-    PagedGroup,
-    PlainAsk,
-    Probe,
-    Stage,
-    register_kind,
-    unregister_kind,
-)
+from kvreuse.core import ConfigError
 from kvreuse.core.kinds import KINDS, WindowProbe
+from kvreuse.core.spi import PagedGroup, PlainAsk, Probe, Stage, register_kind, unregister_kind
 
 TOY = "every-other-unit"
 

@@ -27,7 +27,7 @@ from depth import scaled
 from kvreuse import MultiModalItem
 from kvreuse.core import native
 from kvreuse.core.encoding import TOKEN_TYPECODE, enc
-from kvreuse.core.hashing import Hasher
+from kvreuse.core.hashing.hasher import Hasher
 from needs import missing
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""A tier several managers share (kvreuse.core.shared_tier): random histories on two or three
+"""A tier several managers share (kvreuse.core.tiers.shared): random histories on two or three
 replicas that take their steps in turn over one store, each checked as a lone replica with
 tiers is (test_tiers.py): every lookup against the oracle over its pool, its own tiers and the
 store; a model of the bytes carried by every replica's ops through one set of store slots; the

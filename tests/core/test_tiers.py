@@ -41,7 +41,7 @@ from kvreuse.core import (
     compute_lookup,
 )
 from kvreuse.core.events import AllBlocksCleared, BlockRemoved, BlockStored, TierRemoved, TierStored
-from kvreuse.core.tier_lookup import source_of, tier_sources
+from kvreuse.core.tiers.view import source_of, tier_sources
 from kvreuse.events import Converter, ReplicaMirror, StoreMirror
 from kvreuse.events.mirror import HashChain
 from kvreuse.events.wire import EventBatch, decode_batch, encode_batch, hash64

@@ -8,7 +8,8 @@ from array import array
 
 import pytest
 
-from kvreuse.core import TOKEN_TYPECODE, CacheConfig, GroupSpec, KVCacheManager, Request
+from kvreuse.core import CacheConfig, GroupSpec, KVCacheManager, Request
+from kvreuse.core.spi import TOKEN_TYPECODE
 from kvreuse.events import Converter, ReplicaMirror
 from kvreuse.fleet.routing.router import Router
 

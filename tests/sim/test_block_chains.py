@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvreuse.core import CacheConfig, GroupSpec, KVCacheManager, Request
-from kvreuse.core.hashing import Hasher
+from kvreuse.core.hashing.hasher import Hasher
 from kvreuse.deployment import preset
 from kvreuse.fleet.simulation import run as fleet_run
 from kvreuse.fleet.simulation.run import FleetOptions, simulate_fleet

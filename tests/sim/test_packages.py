@@ -3,7 +3,8 @@
     core ← (oracle, tokenizer, sched, events, hfconfig, vocab) ← deployment ← tiering
         ← (sim, engine) ← serve ← fleet ← qualify ← geometry_cli ← cli
 
-Each package imports only packages to its left, and only through `kvreuse.core`'s public names.
+Each package imports only packages to its left, and the core only through its public names:
+`kvreuse.core`'s (the API) and `kvreuse.core.spi`'s (the plumbing of the layers).
 (Import cycles are checked for all of src by tests/core/test_imports.py.)
 """
 
@@ -16,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import kvreuse
+import kvreuse.core
+import kvreuse.core.spi
 
 SRC = Path(kvreuse.__file__).parent
 
@@ -87,9 +90,38 @@ def test_only_core_imports_core_submodules() -> None:
         if package == "core":
             continue
         for line, name in _imports(tree, _dotted(rel)):
-            if not name.startswith("kvreuse.core."):
+            if not name.startswith("kvreuse.core.") or name == "kvreuse.core.spi":
                 continue
-            bad.append(f"{rel}:{line} imports {name}; import its names from kvreuse.core")
+            bad.append(
+                f"{rel}:{line} imports {name}; import its names from kvreuse.core or "
+                "kvreuse.core.spi"
+            )
+    assert not bad, "; ".join(bad)
+
+
+# Where each module outside the core may take a core name from, and the names it offers there.
+CORE_EXPORTS = {
+    "kvreuse.core": set(kvreuse.core.__all__),
+    "kvreuse.core.spi": set(kvreuse.core.spi.__all__),
+    "kvreuse": set(kvreuse.__all__) | {"LLM", "SamplingParams"},
+}
+
+
+def test_core_names_come_from_the_api_or_the_spi() -> None:
+    """`from kvreuse.core import X` names an API name, `from kvreuse.core.spi import X` an SPI
+    one: a name exported by neither is the core's own."""
+    bad: list[str] = []
+    for rel, package, tree in _modules():
+        if package in ("core", "kvreuse"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module in CORE_EXPORTS:
+                offered = CORE_EXPORTS[node.module]
+                bad += [
+                    f"{rel}:{node.lineno} imports {a.name} from {node.module}"
+                    for a in node.names
+                    if a.name not in offered and not _is_module(f"{node.module}.{a.name}")
+                ]
     assert not bad, "; ".join(bad)
 
 

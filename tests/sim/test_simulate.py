@@ -59,10 +59,7 @@ def test_reconciliation_fails_when_a_counter_is_wrong(monkeypatch: pytest.Monkey
         out["prefix_cache_hits"] += 1
         return out
 
-    monkeypatch.setattr(metrics, "snapshot", doctored)
-    import kvreuse.core.observe as observe  # where the manager's metrics() reads it
-
-    monkeypatch.setattr(observe, "snapshot", doctored)
+    monkeypatch.setattr(metrics, "snapshot", doctored)  # where the manager's metrics() reads it
     res = simulate(preset("attention-16"), load(resend_grid([100])))
     assert not res.summary["reconciled"]
     assert res.summary["reconciliation"]["cached_tokens_equal_hits"] is False

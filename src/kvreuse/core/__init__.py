@@ -1,5 +1,11 @@
 """`kvreuse.core`: the pure-Python prefix-cache manager (no I/O, no torch, no asyncio).
 
+`__all__` is the API an engine builder needs: the manager, its configuration and geometry,
+requests, lookups, plans and outcomes, statistics, events, errors, the tiers below the pool
+and their ops, eviction policies, and the lookup over an index of one's own (a router's).
+The plumbing the project's own layers and the core's extensions use beyond it is
+`kvreuse.core.spi`; both lists are pinned by tests/core/test_layering.py.
+
 Owners, bottom up; each piece of state has one, changed only through its methods:
 
     hashing      Hasher / Chain: H[k] per request, extended as tokens arrive
@@ -39,7 +45,6 @@ Notation (the spec's, used in names and comments):
 
 from kvreuse.core.commit import Outcome
 from kvreuse.core.config import CacheConfig, Geometry, GroupGeometry, GroupSpec
-from kvreuse.core.encoding import TOKEN_TYPECODE
 from kvreuse.core.errors import (
     ConfigError,
     InvariantError,
@@ -56,42 +61,25 @@ from kvreuse.core.events import (
     TierRemoved,
     TierStored,
 )
-from kvreuse.core.hashing import Chain, Hasher
-from kvreuse.core.kinds import (
-    EntryKind,
-    PagedGroup,
-    PlainAsk,
-    Probe,
-    Stage,
-    StateGroup,
-    register_kind,
-    unregister_kind,
-)
-from kvreuse.core.ledger import StepFate
+from kvreuse.core.kinds import EntryKind
 from kvreuse.core.lookup import IndexView, LookupResult, Reason, compute_lookup
 from kvreuse.core.manager import KVCacheManager
 from kvreuse.core.metrics import RequestStats
-from kvreuse.core.native import describe as describe_core_path
 from kvreuse.core.plan import Copy, RecurrentSlot, RequestPlan, Save, StepPlan
-from kvreuse.core.policy import EvictionPolicy, LRUPolicy, PoolView
-from kvreuse.core.request import Deferral, MultiModalItem, Request, SavePurpose
-from kvreuse.core.savepoints import finish_point, replay_point
-from kvreuse.core.shared_tier import SharedTier, TierState
-from kvreuse.core.tier_lookup import LayeredIndex, tier_hit_tokens, tier_sources
-from kvreuse.core.tiers import DEVICE_MEDIUM, Admission, Demote, Load, Move, TierOp, TierSpec
+from kvreuse.core.policy import EvictionPolicy, LRUPolicy
+from kvreuse.core.request import MultiModalItem, Request
+from kvreuse.core.tiers.ops import Demote, Load, Move, TierOp
+from kvreuse.core.tiers.shared import SharedTier
+from kvreuse.core.tiers.spec import Admission, TierSpec
 
 __all__ = [
-    "DEVICE_MEDIUM",
-    "TOKEN_TYPECODE",
     "Admission",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
     "CacheConfig",
-    "Chain",
     "ConfigError",
     "Copy",
-    "Deferral",
     "Demote",
     "EntryKind",
     "Event",
@@ -99,48 +87,30 @@ __all__ = [
     "Geometry",
     "GroupGeometry",
     "GroupSpec",
-    "Hasher",
     "IndexView",
     "InvariantError",
     "KVCacheManager",
     "LRUPolicy",
-    "LayeredIndex",
     "Load",
     "LookupResult",
     "Move",
     "MultiModalItem",
     "Outcome",
-    "PagedGroup",
-    "PlainAsk",
-    "PoolView",
-    "Probe",
     "Reason",
     "RecurrentSlot",
     "Request",
     "RequestPlan",
     "RequestStats",
     "Save",
-    "SavePurpose",
     "SharedTier",
     "SharedTierBusyError",
-    "Stage",
     "StaleLookupError",
-    "StateGroup",
-    "StepFate",
     "StepPlan",
     "StoredEntry",
     "TierOp",
     "TierRemoved",
     "TierSpec",
-    "TierState",
     "TierStored",
     "UnknownRequestError",
     "compute_lookup",
-    "describe_core_path",
-    "finish_point",
-    "register_kind",
-    "replay_point",
-    "tier_hit_tokens",
-    "tier_sources",
-    "unregister_kind",
 ]

@@ -12,12 +12,12 @@ order adopt → pop fresh → pop saves, so a fresh pop never evicts a block thi
 
 from __future__ import annotations
 
-from collections import Counter
 from operator import itemgetter
 
 from kvreuse.core.config import Geometry
 from kvreuse.core.ledger import PlannedSave, PlanRecord
 from kvreuse.core.lookup import LookupResult
+from kvreuse.core.metrics import CacheStats
 from kvreuse.core.plan import Copy, RecurrentSlot, RequestPlan, Save
 from kvreuse.core.pool import NULL, BlockPool
 from kvreuse.core.request import PlanParts, RecurrentSlots, RequestState, SavePurpose
@@ -77,7 +77,7 @@ def growth_required(geo: Geometry, req: RequestState, end: int, extra: int) -> i
 def admit(
     geo: Geometry,
     pool: BlockPool,
-    counters: Counter[str],
+    stats: CacheStats,
     req: RequestState,
     res: LookupResult,
     num_new: int,
@@ -100,7 +100,7 @@ def admit(
     processed = {gid: h // geo.groups[gid].page_size * geo.groups[gid].page_size for gid in tables}
     req.admit(tables, slots, h, processed, planned, req.chain.num_units * geo.hash_unit)
     # 3. saves, best effort.
-    saves = _pop_saves(geo, pool, counters, req, h, end)
+    saves = _pop_saves(geo, pool, stats, req, h, end)
     plan = RequestPlan(
         request_id=req.request_id,
         start=h,
@@ -171,7 +171,7 @@ def _pop_admission(
 def grow(
     geo: Geometry,
     pool: BlockPool,
-    counters: Counter[str],
+    stats: CacheStats,
     req: RequestState,
     num_new: int,
     extra: int,
@@ -206,7 +206,7 @@ def grow(
     saves: list[PlannedSave] = []
     # A quiet decode step (most of them) owes no save: checked here to skip a call per step.
     if geo.recurrent and geo.caching_enabled and not is_quiet_decode(geo, req, start, end):
-        saves = _pop_saves(geo, pool, counters, req, start, end)
+        saves = _pop_saves(geo, pool, stats, req, start, end)
     tables, recurrent, no_blocks, _ = parts
     plan = RequestPlan(  # positional: this runs once per request per decode step
         req.request_id,
@@ -244,7 +244,7 @@ def _plan_parts(geo: Geometry, req: RequestState) -> PlanParts:
 
 
 def _pop_saves(
-    geo: Geometry, pool: BlockPool, counters: Counter[str], req: RequestState, start: int, end: int
+    geo: Geometry, pool: BlockPool, stats: CacheStats, req: RequestState, start: int, end: int
 ) -> list[PlannedSave]:
     """Pop a block per save of the step, best effort: a save the pool cannot serve is skipped
     (counted), never a reason to refuse the step."""
@@ -258,7 +258,7 @@ def _pop_saves(
             req.plan_dense(gid, dense)
         for c, why, is_planned in step_saves(geo, req, start, end, req.planned[gid]):
             if not pool.num_free:
-                counters["saves_skipped"] += 1
+                stats.count("saves_skipped")
                 continue
             rolling = why is SavePurpose.ROLLING
             out.append(PlannedSave(gid, c, pool.pop(gid), rolling, is_planned))

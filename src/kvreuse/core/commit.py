@@ -15,13 +15,13 @@ Attention publication of one commit, page B = 64, u = 16, processed boundary d, 
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any, NamedTuple
 
 from kvreuse.core.config import Geometry
 from kvreuse.core.ledger import PlannedSave, PlanRecord
+from kvreuse.core.metrics import CacheStats
 from kvreuse.core.pool import NULL, BlockPool
 from kvreuse.core.request import MAX_TOKEN, Phase, RequestState, check_tokens
 from kvreuse.core.savepoints import finish_point, rolling_range
@@ -103,7 +103,7 @@ def parse_outcome(rec: PlanRecord, outcome: Any) -> Checked:
 
 # ---------------------------------------------------------------------------- commit
 def apply_commit(
-    geo: Geometry, pool: BlockPool, counters: Counter[str], rec: PlanRecord, outcome: Checked
+    geo: Geometry, pool: BlockPool, stats: CacheStats, rec: PlanRecord, outcome: Checked
 ) -> None:
     """Steps 1–7 of spec §10.1 for one request.
 
@@ -152,7 +152,7 @@ def apply_commit(
                 _window_free(geo, req, gid, t_new, release)
         elif not same_range:
             if gid in by_group:
-                _settle_saves(geo, pool, counters, req, by_group[gid], outcome, release)
+                _settle_saves(geo, pool, stats, req, by_group[gid], outcome, release)
             if req.recurrent[gid].held:
                 _keep_rolling(geo, req, gid, t_new, release)
     if release:
@@ -181,7 +181,7 @@ def _publish_attention(geo: Geometry, pool: BlockPool, req: RequestState, gid: i
 def _settle_saves(
     geo: Geometry,
     pool: BlockPool,
-    counters: Counter[str],
+    stats: CacheStats,
     req: RequestState,
     saves: list[PlannedSave],
     outcome: Checked,
@@ -216,15 +216,15 @@ def _settle_saves(
         if published:
             won.discard(c)  # a later save at the same position was not published
             req.note_published_state(gid, c)
-            counters["saves_published"] += 1
+            stats.count("saves_published")
         if valid and rolling:
             req.hold(gid, c, blk)  # the pending reference becomes the held reference
             if not published:
-                counters["saves_held"] += 1
+                stats.count("saves_held")
         else:
             dropped.append(blk)
             if not published:
-                counters["saves_discarded"] += 1
+                stats.count("saves_discarded")
     release.extend(dropped)
 
 
@@ -266,7 +266,7 @@ def pending_refs(rec: PlanRecord) -> tuple[dict[int, list[int]], dict[int, list[
 def release_request(
     geo: Geometry,
     pool: BlockPool,
-    counters: Counter[str],
+    stats: CacheStats,
     req: RequestState,
     dropped: Iterable[PlanRecord],
 ) -> None:
@@ -281,9 +281,9 @@ def release_request(
             copies.setdefault(gid, []).extend(blocks)
         for gid, blocks in s.items():
             saves.setdefault(gid, []).extend(blocks)
-        counters["saves_discarded"] += len(rec.saves)
+        stats.count("saves_discarded", len(rec.saves))
     if req.recurrent and req.phase is Phase.RUNNING and geo.caching_enabled:
-        _publish_finish_state(geo, pool, counters, req)  # only held states publish
+        _publish_finish_state(geo, pool, stats, req)  # only held states publish
     order: list[int] = []
     tables, recurrent = req.tables, req.recurrent
     for g in geo.groups:
@@ -309,7 +309,7 @@ def release_request(
 
 
 def _publish_finish_state(
-    geo: Geometry, pool: BlockPool, counters: Counter[str], req: RequestState
+    geo: Geometry, pool: BlockPool, stats: CacheStats, req: RequestState
 ) -> None:
     """A finishing request publishes its held state at φ(T), the end of its last full unit
     (one unit earlier in drop mode), so a resend of the same conversation can resume there."""
@@ -321,7 +321,7 @@ def _publish_finish_state(
         if blk is None:
             continue
         if pool.publish(gid, [phi], [req.chain.hashes[phi // geo.hash_unit]], [blk], req):
-            counters["saves_published"] += 1
+            stats.count("saves_published")
 
 
 def settle_outcomes(

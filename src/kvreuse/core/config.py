@@ -17,7 +17,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from kvreuse.core.errors import ConfigError
-from kvreuse.core.hashing import HASH_ALGOS, Hasher, algo_available
+from kvreuse.core.hashing.digests import HASH_ALGOS, algo_available
+from kvreuse.core.hashing.hasher import Hasher
 from kvreuse.core.kinds import KINDS, GroupGeometry, Stage
 from kvreuse.core.kinds.base import check_int
 

@@ -13,7 +13,7 @@ class StaleLookupError(ValueError):
 
 class SharedTierBusyError(RuntimeError):
     """A manager touched a tier it shares while another manager's ops on it were not yet taken
-    by that manager's `seal_step()` (kvreuse.core.shared_tier: one step at a time)."""
+    by that manager's `seal_step()` (kvreuse.core.tiers.shared: one step at a time)."""
 
 
 class InvariantError(AssertionError):

@@ -12,7 +12,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-from kvreuse.core.hashing import CborChain, unit_extra_keys
+from kvreuse.core.hashing.chain import CborChain
+from kvreuse.core.hashing.keys import unit_extra_keys
 from kvreuse.core.kinds import EntryKind, entry_kind
 
 if TYPE_CHECKING:

@@ -84,7 +84,7 @@ class LookupResult:
     # non-recurrent groups, even when no state will be saved there.
     pending_bounds: tuple[int, int, int, int] = (0, 0, 0, 0)
     # (group id, tier, slot) of each block of the hit held only in a tier below the pool: the
-    # load plan (kvreuse.core.tier_lookup). Such a block's slot entry is a virtual id below 0.
+    # load plan (kvreuse.core.tiers.view). Such a block's slot entry is a virtual id below 0.
     loads: tuple[tuple[int, int, int], ...] = ()
 
     def explain(self) -> str:

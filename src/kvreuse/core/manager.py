@@ -10,8 +10,7 @@ the manager as it was. The work itself lives in `lookup`, `allocate` and `commit
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -31,33 +30,45 @@ from kvreuse.core.commit import (
 )
 from kvreuse.core.config import CacheConfig
 from kvreuse.core.errors import StaleLookupError, UnknownRequestError
-from kvreuse.core.events import EventLog
+from kvreuse.core.events import Event, EventLog
 from kvreuse.core.invariants import audit
 from kvreuse.core.ledger import PlanRecord, StepFate, StepLedger
 from kvreuse.core.lookup import LookupResult, compute_lookup
-from kvreuse.core.metrics import RequestStats, count_admission, new_counters
-from kvreuse.core.observe import Observed
+from kvreuse.core.metrics import CacheStats, RequestStats, stats_of
 from kvreuse.core.plan import RequestPlan, StepPlan
 from kvreuse.core.pool import BlockPool
 from kvreuse.core.request import Deferral, Phase, Request, RequestState, new_request_state
 from kvreuse.core.rules import check_allocate, plain_growth
-from kvreuse.core.savepoints import next_save_position, planned_positions, save_positions
-from kvreuse.core.shared_tier import SharedTier, TierTurns
-from kvreuse.core.tier_lookup import NO_TIER_TOKENS, TierLoads, TierView, device_hits, tier_sources
-from kvreuse.core.tiers import TierSpec, TierStack
+from kvreuse.core.savepoints import (
+    next_save_position,
+    planned_positions,
+    replay_point,
+    save_positions,
+)
+from kvreuse.core.tiers.loads import NO_TIER_TOKENS, TierLoads, forget_faults
+from kvreuse.core.tiers.ops import Keys, TierOp
+from kvreuse.core.tiers.shared import SharedTier
+from kvreuse.core.tiers.spec import TierSpec
+from kvreuse.core.tiers.stack import TierStack
+from kvreuse.core.tiers.view import TierView, device_hits, tier_sources
+from kvreuse.core.views import describe, export_entries, export_ghost
 
 
-class KVCacheManager(Observed, TierTurns):
+class KVCacheManager:
     """Prefix-cache manager over one block pool shared by every group (spec §3).
 
-    It owns the registered requests and the epoch, and delegates: blocks and keys to the
-    `BlockPool`, steps and in-flight plans to the `StepLedger`, the rules of lookup, allocation
-    and commit to their modules, each given only the owners it uses.
+    It owns the registered requests and the epoch, and composes the owners of everything
+    else, each changed only through its methods: blocks and keys (`pool`, a `BlockPool`),
+    steps and in-flight plans (`ledger`, a `StepLedger`), counts and finished requests'
+    statistics (`stats`, a `CacheStats`), pending events (`events`, an `EventLog`), the tiers
+    below the pool and whose turn a shared one is (`tiers`, a `TierStack`) and the loads not
+    yet committed (`loads`, `TierLoads`). The rules of lookup, allocation and commit are
+    functions of their modules, each given only the owners it uses.
     """
 
     def __init__(self, config: CacheConfig, tiers: Sequence[TierSpec | SharedTier] = ()) -> None:
         """`tiers`: memory below the pool, in order (kvreuse.core.tiers; a SharedTier is one
-        several managers share, kvreuse.core.shared_tier); none by default."""
+        several managers share, kvreuse.core.tiers.shared); none by default."""
         if not isinstance(config, CacheConfig):
             raise TypeError(f"KVCacheManager needs a CacheConfig, got {type(config).__name__}")
         for spec in tiers:
@@ -74,11 +85,8 @@ class KVCacheManager(Observed, TierTurns):
         self.hasher = config.hasher()
         self.ledger = StepLedger(self.geo)
         self.requests: dict[str, RequestState] = {}
-        self.counters = new_counters()
-        self.reasons: Counter[str] = Counter()
-        self.cow: Counter[str] = Counter()
+        self.stats = CacheStats(config.finished_stats_capacity)
         self.epoch = 0
-        self._finished: OrderedDict[str, RequestStats] = OrderedDict()
         self.tiers = TierStack(tiers, [g.kind for g in self.geo.groups], self.events)
         self._view = TierView(self.pool, self.tiers) if tiers else self.pool
         if tiers:
@@ -96,12 +104,12 @@ class KVCacheManager(Observed, TierTurns):
             raise ValueError(f"request {req.request_id!r} is already registered")
         st = new_request_state(req, self.hasher)
         self.requests[st.request_id] = st
-        self._finished.pop(st.request_id, None)
+        self.stats.forget_finished(st.request_id)
 
     def _get(self, rid: str, op: str) -> RequestState:
         st = self.requests.get(rid)
         if st is None:
-            gone = " (it has finished)" if rid in self._finished else ""
+            gone = " (it has finished)" if self.stats.finished(rid) is not None else ""
             raise UnknownRequestError(f"{op}: unknown request {rid!r}{gone}")
         return st
 
@@ -109,7 +117,7 @@ class KVCacheManager(Observed, TierTurns):
     def lookup(self, req_id: str) -> LookupResult:
         """Pure: what an admission now would reuse (spec §7)."""
         st = self._get(req_id, "lookup")
-        self._turn()
+        self.tiers.check_turn()
         if st.phase is not Phase.WAITING:
             raise ValueError(
                 f"lookup: request {req_id!r} is running; only waiting requests look up"
@@ -124,7 +132,7 @@ class KVCacheManager(Observed, TierTurns):
             len(st.tokens),
             skip_read=st.skip_read,
             pending=pending,
-            epoch=self._epoch(),
+            epoch=self.epoch + self.tiers.shared_version(),
         )
         if self.tiers:
             loads = tier_sources(res)
@@ -136,7 +144,7 @@ class KVCacheManager(Observed, TierTurns):
         self, req_id: str, num_new_tokens: int, lookup: LookupResult | None, num_extra_slots: int
     ) -> RequestState:
         st = self._get(req_id, "allocate")
-        self._turn()
+        self.tiers.check_turn()
         if lookup is None and num_extra_slots == 0 and plain_growth(st, num_new_tokens):
             return st
         check_allocate(
@@ -144,7 +152,7 @@ class KVCacheManager(Observed, TierTurns):
             num_new_tokens,
             lookup,
             num_extra_slots,
-            self._epoch(),
+            self.epoch + self.tiers.shared_version(),
             in_flight_ends=[r.end for r in self.ledger.records_of(st) if not r.withdrawn],
         )
         return st
@@ -195,16 +203,16 @@ class KVCacheManager(Observed, TierTurns):
             if lookup.loads:
                 pool.adopt_many(hits)  # before the loads' pops, which must not evict them
                 (res, from_tiers), hits = self.loads.begin(lookup, st.admissions == 0), []
-            rec = admit(geo, pool, self.counters, st, res, num_new_tokens, num_extra_slots, hits)
+            rec = admit(geo, pool, self.stats, st, res, num_new_tokens, num_extra_slots, hits)
             if lookup.loads:
                 self.loads.note(rec)
-            count_admission(self.counters, self.reasons, st, lookup.hit, lookup.reason, from_tiers)
+            self.stats.count_admission(st, lookup.hit, lookup.reason, from_tiers)
         else:
-            rec = grow(geo, pool, self.counters, st, num_new_tokens, num_extra_slots)
+            rec = grow(geo, pool, self.stats, st, num_new_tokens, num_extra_slots)
             if rec is None:
                 return None
         for c in rec.copies:
-            self.cow[geo.groups[c.group_id].kind] += 1
+            self.stats.count_copy(geo.groups[c.group_id].kind)
         self.ledger.add(rec)
         self.epoch += 1
         return rec.plan
@@ -226,7 +234,7 @@ class KVCacheManager(Observed, TierTurns):
         admission needs its lookup); a call that breaks a rule raises, as `allocate` does,
         with the items before it done.
         """
-        self._turn()
+        self.tiers.check_turn()
         ids = list(request_ids)
         if isinstance(num_new_tokens, int):
             counts: Sequence[int] = [num_new_tokens] * len(ids)
@@ -236,11 +244,11 @@ class KVCacheManager(Observed, TierTurns):
                 raise ValueError(
                     f"allocate_many: {len(ids)} request ids but {len(counts)} token counts"
                 )
-        check, geo, pool, counters, add = (
+        check, geo, pool, stats, add = (
             self._check_alloc,
             self.geo,
             self.pool,
-            self.counters,
+            self.stats,
             self.ledger.add,
         )
         out: list[RequestPlan | None] = []
@@ -249,7 +257,7 @@ class KVCacheManager(Observed, TierTurns):
             st = requests.get(rid)
             if st is None or not plain_growth(st, n):
                 st = check(rid, n, None, 0)  # allocate's own checks: the same errors
-            rec = grow(geo, pool, counters, st, n, 0)
+            rec = grow(geo, pool, stats, st, n, 0)
             if rec is None:
                 if stop_when_full:
                     break
@@ -277,7 +285,7 @@ class KVCacheManager(Observed, TierTurns):
         """
         if not self.ledger.check(step_id, "commit"):
             return
-        self._publishing()
+        self.tiers.check_publish_turn()
         self._commit(step_id, settle_outcomes(self.ledger.sealed(step_id), outcomes))
 
     def commit_batch(self, step_id: int, outcomes: Sequence[Any]) -> None:
@@ -286,16 +294,16 @@ class KVCacheManager(Observed, TierTurns):
         ignored, as in `commit`). An engine that runs the plans in order returns this as is."""
         if not self.ledger.check(step_id, "commit"):
             return
-        self._publishing()
+        self.tiers.check_publish_turn()
         self._commit(step_id, settle_in_order(self.ledger.sealed(step_id), outcomes))
 
     def _commit(self, step_id: int, parsed: list[tuple[PlanRecord, Checked]]) -> None:
         recs = self.ledger.settle(step_id, StepFate.COMMITTED)
-        apply, geo, pool, counters = apply_commit, self.geo, self.pool, self.counters
+        apply, geo, pool, stats = apply_commit, self.geo, self.pool, self.stats
         if self.loads:
             self.loads.publish(recs)
         for rec, outcome in parsed:
-            apply(geo, pool, counters, rec, outcome)
+            apply(geo, pool, stats, rec, outcome)
         if len(parsed) < len(recs):  # else no record was withdrawn or deferred
             self._settle_deferred(recs, discard=False)
         self.epoch += 1
@@ -323,7 +331,7 @@ class KVCacheManager(Observed, TierTurns):
 
     # ------------------------------------------------------------------ release
     def _release(self, st: RequestState, dropped: list[PlanRecord], then: Deferral) -> None:
-        release_request(self.geo, self.pool, self.counters, st, dropped)
+        release_request(self.geo, self.pool, self.stats, st, dropped)
         if self.loads:
             self.loads.drop(dropped)  # its loaded blocks went back unkeyed
         self.ledger.forget(st)
@@ -333,34 +341,31 @@ class KVCacheManager(Observed, TierTurns):
 
     def _forget(self, st: RequestState) -> None:
         del self.requests[st.request_id]
-        self._finished[st.request_id] = self._stats(st)
-        cap = self.config.finished_stats_capacity
-        while cap is not None and len(self._finished) > cap:
-            self._finished.popitem(last=False)
+        self.stats.keep_finished(st)
 
     def finish(self, req_id: str) -> RequestStats:
         """Normal end or abort (spec §11.5); returns the request's final statistics."""
         st = self._get(req_id, "finish")
-        self._publishing()  # a hybrid's finish state is published
+        self.tiers.check_publish_turn()  # a hybrid's finish state is published
         if st.inflight:
             if st.deferred is not Deferral.FINISH:  # a repeated finish changes nothing
                 self.ledger.defer(st, Deferral.FINISH)
                 self.epoch += 1
-            return self._stats(st)
+            return stats_of(st)
         if st.phase is Phase.RUNNING:
             self._release(st, self.ledger.withdraw_open(st), Deferral.FINISH)
         else:
             self._forget(st)
         self.epoch += 1
-        stats = self._finished.get(req_id)  # what `_forget` kept (frozen), unless capacity is 0
-        return stats if stats is not None else self._stats(st)
+        stats = self.stats.finished(req_id)  # what `_forget` kept, unless capacity is 0
+        return stats if stats is not None else stats_of(st)
 
     def preempt(self, req_id: str) -> None:
         """Release a running request's blocks; it waits for a new lookup (spec §11.5)."""
         st = self._get(req_id, "preempt")
         if st.phase is not Phase.RUNNING:
             raise ValueError(f"preempt: request {req_id!r} is not running")
-        self._publishing()
+        self.tiers.check_publish_turn()
         if st.inflight:
             if st.deferred is None:
                 self.ledger.defer(st, Deferral.PREEMPT)
@@ -380,7 +385,7 @@ class KVCacheManager(Observed, TierTurns):
 
     def evict(self, block_id: int) -> None:
         """Test support: evict one block with count 0 now, keeping its queue place (11.3)."""
-        self._turn()
+        self.tiers.check_turn()
         self.pool.evict(block_id)
         self.epoch += 1
 
@@ -388,7 +393,8 @@ class KVCacheManager(Observed, TierTurns):
         """Positions where the request still wants a recurrent state (spec §9.4): a scheduler
         ends prefill chunks there. A waiting request needs the lookup it will be admitted with."""
         st = self._get(req_id, "save_positions")
-        if lookup is not None and (lookup.epoch != self._epoch() or lookup.request_id != req_id):
+        epoch = self.epoch + self.tiers.shared_version()
+        if lookup is not None and (lookup.epoch != epoch or lookup.request_id != req_id):
             raise StaleLookupError(f"save_positions: stale lookup for {req_id!r}; look up again")
         if st.phase is Phase.WAITING:
             if lookup is None:
@@ -413,3 +419,65 @@ class KVCacheManager(Observed, TierTurns):
         """A from-scratch audit of spec §14 (slow); raises InvariantError naming the broken one."""
         audit(self.geo, self.pool, self.requests.values(), self.ledger)
         self.tiers.audit()
+
+    # ------------------------------------------------------------------ tiers
+    def tier_faults(
+        self, slots: Iterable[tuple[int, int, int, Keys]], block_ids: Iterable[int] = ()
+    ) -> list[str]:
+        """What the engine could not carry out of the ops it was handed, as misses: each of
+        `slots` (tier, slot, group id, the keys of the op that read or wrote it) was found
+        without those keys' bytes (absent, altered, another block's, or the store unreachable),
+        so it is forgotten while it still holds those keys; `block_ids` are device blocks a
+        `Load` did not fill. The requests that loaded those blocks, all in sealed steps, publish
+        nothing at their step's commit and go back to wait for a new lookup, as a preemption
+        does; their admission is not counted (a hit never delivered). Returns those requests'
+        ids."""
+        failed = forget_faults(self.tiers, self.loads, self.ledger, self.stats, slots, block_ids)
+        self.epoch += 1
+        return failed
+
+    def take_tier_ops(self) -> list[TierOp]:
+        """The tier ops decided since the last `seal_step()` (the write-through copies of what
+        a commit or a finish published), for an engine that runs them now instead of before
+        the next step; a shared tier they held is free for the other managers again."""
+        return self.tiers.take_ops() if self.tiers else []
+
+    # ------------------------------------------------------------------ what it shows
+    def request_stats(self, req_id: str) -> RequestStats:
+        st = self.requests.get(req_id)
+        if st is not None:
+            return stats_of(st)
+        stats = self.stats.finished(req_id)
+        if stats is not None:
+            return stats
+        raise UnknownRequestError(f"request_stats: unknown or forgotten request {req_id!r}")
+
+    def metrics(self) -> dict[str, Any]:
+        """Spec §12.1's counters and gauges; with tiers below the pool, `tiers` holds each
+        tier's (`kvreuse.core.metrics.tier_snapshot`)."""
+        return self.stats.metrics(self.geo, self.pool, self.events.dropped, self.tiers)
+
+    def take_events(self) -> list[Event]:
+        return self.events.take(self.geo)
+
+    def set_event_log(self, enabled: bool) -> None:
+        """Record events (spec §13) or not, whatever `enable_events` said: a server records only
+        while something publishes them. Turning it off drops what is pending."""
+        self.events.set_enabled(enabled)
+
+    def describe(self, req_id: str | None = None) -> str:
+        if req_id is None:
+            return describe(self.geo, self.pool, self.metrics(), None, [])
+        st = self._get(req_id, "describe")
+        wanted = self.save_positions(req_id) if st.phase is Phase.RUNNING else []
+        return describe(self.geo, self.pool, self.metrics(), st, wanted)
+
+    def export_entries(self) -> list[tuple[int, int, bytes, str, int]]:
+        return export_entries(self.pool)
+
+    def export_ghost(self) -> list[tuple[int, int, bytes]]:
+        return export_ghost(self.pool)
+
+    def replay_point(self, prompt_len: int) -> int:
+        """ρ(P) of this geometry (spec §8): the hit of an identical resend."""
+        return replay_point(self.geo, prompt_len)

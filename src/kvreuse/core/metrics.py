@@ -7,9 +7,9 @@ blocks against its Prometheus counters without tolerance.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvreuse.core.kinds import EntryKind
 from kvreuse.core.pool import BlockPool
@@ -17,7 +17,7 @@ from kvreuse.core.pool import BlockPool
 if TYPE_CHECKING:
     from kvreuse.core.config import Geometry
     from kvreuse.core.request import RequestState
-    from kvreuse.core.tiers import TierStack
+    from kvreuse.core.tiers.stack import TierStack
 
 COUNTER_NAMES = (
     "prefix_cache_requests",
@@ -49,50 +49,107 @@ class RequestStats:
     tier_tokens: tuple[int, ...] = ()
 
 
-def count_admission(
-    counters: Counter[str],
-    reasons: Counter[str],
-    st: RequestState,
-    hit: int,
-    reason: str,
-    tier_tokens: tuple[int, ...] = (),
-) -> None:
-    """12.1: a first admission moves the prefix_cache_* counters, a re-admission the
-    preempted_* ones; per-request statistics keep the first admission's hit and reason (and
-    what of it each tier gave, `RequestStats.tier_tokens`)."""
-    if st.note_admission(hit, reason, tier_tokens):
-        counters["prefix_cache_requests"] += 1
-        counters["prefix_cache_queries"] += st.prompt_len
-        counters["prefix_cache_hits"] += hit
-        reasons[reason] += 1
-    else:
-        counters["prefix_cache_preempted_requests"] += 1
-        counters["prefix_cache_preempted_queries"] += len(st.tokens)
-        counters["prefix_cache_preempted_hits"] += hit
+class CacheStats:
+    """The manager's counts (spec §12.1) and the statistics of finished requests.
+
+    `counters` (COUNTER_NAMES), admissions' `reasons` and copy-on-write copies per kind
+    (`cow`) change only through the methods below, whoever counts: the facade, and the
+    allocation and commit rules (saves). The last `capacity` finished requests' statistics
+    are kept (None: all), so `request_stats` answers for them after `finish`."""
+
+    __slots__ = ("_capacity", "_finished", "counters", "cow", "reasons")
+
+    def __init__(self, capacity: int | None) -> None:
+        self.counters: Counter[str] = Counter({name: 0 for name in COUNTER_NAMES})
+        self.reasons: Counter[str] = Counter()
+        self.cow: Counter[str] = Counter()
+        self._finished: OrderedDict[str, RequestStats] = OrderedDict()
+        self._capacity = capacity
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add `n` to counter `name` (the saves' counters)."""
+        self.counters[name] += n
+
+    def count_copy(self, kind: str) -> None:
+        """A plan copies a partial page of a group of `kind` (copy-on-write)."""
+        self.cow[kind] += 1
+
+    def count_admission(
+        self, st: RequestState, hit: int, reason: str, tier_tokens: tuple[int, ...] = ()
+    ) -> None:
+        """12.1: a first admission moves the prefix_cache_* counters, a re-admission the
+        preempted_* ones; per-request statistics keep the first admission's hit and reason
+        (and what of it each tier gave, `RequestStats.tier_tokens`)."""
+        counters = self.counters
+        if st.note_admission(hit, reason, tier_tokens):
+            counters["prefix_cache_requests"] += 1
+            counters["prefix_cache_queries"] += st.prompt_len
+            counters["prefix_cache_hits"] += hit
+            self.reasons[reason] += 1
+        else:
+            counters["prefix_cache_preempted_requests"] += 1
+            counters["prefix_cache_preempted_queries"] += len(st.tokens)
+            counters["prefix_cache_preempted_hits"] += hit
+
+    def uncount_admission(self, st: RequestState, stack: TierStack | None) -> None:
+        """Take back the counts of the request's last admission, whose tier loads failed: it
+        delivered nothing, and its next admission counts in its place (a first one as the
+        first)."""
+        counters = self.counters
+        if st.admissions == 1:
+            counters["prefix_cache_requests"] -= 1
+            counters["prefix_cache_queries"] -= st.prompt_len
+            counters["prefix_cache_hits"] -= st.first_hit
+            self.reasons[st.first_reason] -= 1
+            if stack is not None and st.first_tier_tokens:
+                stack.uncount_hit_tokens(st.first_tier_tokens)
+        elif st.admissions > 1:
+            counters["prefix_cache_preempted_requests"] -= 1
+            counters["prefix_cache_preempted_queries"] -= len(st.tokens)
+            counters["prefix_cache_preempted_hits"] -= st.last_hit
+        st.unnote_admission()
+
+    # ------------------------------------------------------------------ finished requests
+    def keep_finished(self, st: RequestState) -> None:
+        """`st` finished: keep its statistics, dropping the oldest beyond the capacity."""
+        self._finished[st.request_id] = stats_of(st)
+        cap = self._capacity
+        while cap is not None and len(self._finished) > cap:
+            self._finished.popitem(last=False)
+
+    def finished(self, request_id: str) -> RequestStats | None:
+        """The kept statistics of a finished request, or None."""
+        return self._finished.get(request_id)
+
+    def forget_finished(self, request_id: str) -> None:
+        """A request of this id is registered again: its old statistics go."""
+        self._finished.pop(request_id, None)
+
+    # ------------------------------------------------------------------ the metrics
+    def metrics(
+        self, geo: Geometry, pool: BlockPool, events_dropped: int, stack: TierStack
+    ) -> dict[str, Any]:
+        """Spec §12.1's counters and gauges; with tiers below the pool, `tiers` holds each
+        tier's (`tier_snapshot`)."""
+        out: dict[str, Any] = snapshot(
+            geo, pool, self.counters, self.reasons, self.cow, events_dropped
+        )
+        if stack:
+            out["tiers"] = tier_snapshot(geo, stack)
+        return out
 
 
-def uncount_admission(
-    counters: Counter[str], reasons: Counter[str], st: RequestState, stack: TierStack | None
-) -> None:
-    """Take back the counts of the request's last admission, whose tier loads failed: it
-    delivered nothing, and its next admission counts in its place (a first one as the first)."""
-    if st.admissions == 1:
-        counters["prefix_cache_requests"] -= 1
-        counters["prefix_cache_queries"] -= st.prompt_len
-        counters["prefix_cache_hits"] -= st.first_hit
-        reasons[st.first_reason] -= 1
-        if stack is not None and st.first_tier_tokens:
-            got = st.first_tier_tokens
-            stack.hit_tokens = [a - b for a, b in zip(stack.hit_tokens, got, strict=True)]
-    elif st.admissions > 1:
-        counters["prefix_cache_preempted_requests"] -= 1
-        counters["prefix_cache_preempted_queries"] -= len(st.tokens)
-        counters["prefix_cache_preempted_hits"] -= st.last_hit
-    st.unnote_admission()
-
-
-def new_counters() -> Counter[str]:
-    return Counter({name: 0 for name in COUNTER_NAMES})
+def stats_of(st: RequestState) -> RequestStats:
+    """What `request_stats` reports of a registered request."""
+    return RequestStats(
+        st.request_id,
+        st.first_hit,
+        st.first_reason,
+        st.admissions,
+        st.last_hit,
+        st.last_reason,
+        st.first_tier_tokens,
+    )
 
 
 def snapshot(

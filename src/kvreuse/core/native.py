@@ -112,7 +112,7 @@ def chain_kernel(algo: str) -> Callable[..., list[bytes]] | None:
     Only SHA-256 has one, and only through libcrypto: the portable C digest is slower than
     hashlib (which uses the same libcrypto), so it is not worth a kernel call. "sha256_cbor"
     (vLLM's chain) has none on purpose: the kernel splices kvreuse's encoding, not CBOR, so
-    both cores run `kvreuse.core.hashing_cbor`'s Python for it.
+    both cores run `kvreuse.core.hashing.cbor`'s Python for it.
     """
     if ext is None or algo != "sha256" or ext.SHA256_BACKEND != "libcrypto":
         return None

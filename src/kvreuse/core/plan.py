@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvreuse.core.tiers import TierOp
+from kvreuse.core.tiers.ops import TierOp
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +72,7 @@ class RequestPlan:
 class StepPlan:
     """Everything the engine needs for one forward. Empty steps need no commit.
 
-    With memory tiers, `tier_ops` (kvreuse.core.tiers: Demote, Move, Load) run first, in their
+    With memory tiers, `tier_ops` (kvreuse.core.tiers.ops: Demote, Move, Load) run first, in their
     order, then the copies, then the forward: each op was decided while the bytes it reads
     were where it names them."""
 

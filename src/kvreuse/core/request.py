@@ -9,7 +9,8 @@ from enum import StrEnum
 from typing import NamedTuple
 
 from kvreuse.core.encoding import TOKEN_TYPECODE
-from kvreuse.core.hashing import Chain, Hasher
+from kvreuse.core.hashing.chain import Chain
+from kvreuse.core.hashing.hasher import Hasher
 from kvreuse.core.plan import RecurrentSlot, RequestPlan
 
 MAX_TOKEN = 2**32
@@ -339,7 +340,7 @@ def new_request_state(req: Request, hasher: Hasher) -> RequestState:
                     f"request {rid!r}: {what} is not valid Unicode text: "
                     f"{text[exc.start : exc.end]!r} at index {exc.start} is a lone surrogate"
                 ) from None
-    try:  # types and ranges of the extra keys (kvreuse.core.hashing)
+    try:  # types and ranges of the extra keys (kvreuse.core.hashing.keys)
         chain = hasher.chain(lora=lora, mm_items=mm, cache_salt=req.cache_salt)
     except (TypeError, ValueError) as exc:
         kind = TypeError if isinstance(exc, TypeError) else ValueError

@@ -13,7 +13,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvreuse.core import CacheConfig, KVCacheManager, Request, SharedTier, Stage, TierSpec
+from kvreuse.core import CacheConfig, KVCacheManager, Request, SharedTier, TierSpec
+from kvreuse.core.spi import Stage
 from kvreuse.deployment import DeploymentSpec, check_num_blocks, resolve
 from kvreuse.engine.checkpoint import load_model
 from kvreuse.engine.config import LAYER_KINDS, ModelConfig

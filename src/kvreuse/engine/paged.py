@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kvreuse.core import CacheConfig, Copy, Geometry, RequestPlan, Stage
+from kvreuse.core import CacheConfig, Copy, Geometry, RequestPlan
+from kvreuse.core.spi import Stage
 from kvreuse.engine.config import ModelConfig
 from kvreuse.engine.kernels import attention_partial, gated_scan, merge_partials
 from kvreuse.engine.model import Scan

@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from kvreuse.core import DEVICE_MEDIUM, Demote, Move, TierOp
+from kvreuse.core import Demote, Move, TierOp
+from kvreuse.core.spi import DEVICE_MEDIUM
 from kvreuse.engine.paged import PagedCache
 
 log = logging.getLogger("kvreuse.engine")

@@ -30,7 +30,8 @@ from typing import Any
 from kvreuse.core import AllBlocksCleared as CoreCleared
 from kvreuse.core import BlockRemoved as CoreRemoved
 from kvreuse.core import BlockStored as CoreStored
-from kvreuse.core import Event, Geometry, GroupGeometry, Stage, TierRemoved, TierStored
+from kvreuse.core import Event, Geometry, GroupGeometry, TierRemoved, TierStored
+from kvreuse.core.spi import Stage
 from kvreuse.events.wire import (
     MEDIUM_GPU,
     AllBlocksCleared,

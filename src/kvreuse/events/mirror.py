@@ -25,10 +25,10 @@ Tiers below the device (kvreuse.core.tiers) send their own events, told apart by
 medium ("CPU" for host memory). Each medium gets its own entries per group, in the order
 `tiers` gives (then in the order media are first seen), and `tiered` is an `IndexView` over
 the device and then every tier, as the replica's own lookup sees its pool and tiers: a tier
-entry stands for a virtual block id below zero (`kvreuse.core.tier_lookup`), so a lookup on it
+entry stands for a virtual block id below zero (`kvreuse.core.tiers.view`), so a lookup on it
 says which tier each block of the hit would be loaded from.
 
-A tier several replicas share (kvreuse.core.shared_tier) sends its own events, in the order its
+A tier several replicas share (kvreuse.core.tiers.shared) sends its own events, in the order its
 index changes whichever replica changed it; a `StoreMirror` follows them, and each replica's
 mirror lists it in `shared`, so all of them read the one index (and a replica's `clear` leaves
 it).
@@ -40,7 +40,8 @@ from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from kvreuse.core import Geometry, LayeredIndex
+from kvreuse.core import Geometry
+from kvreuse.core.spi import LayeredIndex
 from kvreuse.events.wire import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -79,7 +80,7 @@ class TruncatedIndex(Mapping[bytes, int]):
 
 
 class StoreMirror:
-    """The keys one shared tier holds (kvreuse.core.shared_tier), per group, from the tier's
+    """The keys one shared tier holds (kvreuse.core.tiers.shared), per group, from the tier's
     own events (`SharedTier.take_events()` through a `Converter`): one object that the mirror
     of every replica reading the tier lists in `shared`, so a key one replica demoted is a
     hit the router sees on all of them. Its entries' values are 0: a tier entry's value only

@@ -43,7 +43,8 @@ from operator import itemgetter
 from kvreuse.core import AllBlocksCleared as CoreCleared
 from kvreuse.core import BlockRemoved as CoreRemoved
 from kvreuse.core import BlockStored as CoreStored
-from kvreuse.core import Event, Geometry, GroupGeometry, Stage
+from kvreuse.core import Event, Geometry, GroupGeometry
+from kvreuse.core.spi import Stage
 from kvreuse.events.routable_tree import CAME, COV, PUB, ROUT, SET_PUB_CAME, Run, UnitTree
 from kvreuse.events.routable_wire import emit_removed, emit_stored
 from kvreuse.events.wire import AllBlocksCleared, WireEvent

@@ -25,7 +25,8 @@ from operator import itemgetter
 from typing import Final
 
 from kvreuse.core import BlockStored as CoreStored
-from kvreuse.core import Geometry, GroupGeometry, Stage, compute_lookup
+from kvreuse.core import Geometry, GroupGeometry, compute_lookup
+from kvreuse.core.spi import Stage
 from kvreuse.events.convert import attention_group
 from kvreuse.events.mirror import HashChain
 

@@ -13,7 +13,8 @@ geometry, whose engine emits the server's own output tokens: exact under evictio
 
 from __future__ import annotations
 
-from kvreuse.core import KVCacheManager, Request, replay_point
+from kvreuse.core import KVCacheManager, Request
+from kvreuse.core.spi import replay_point
 from kvreuse.deployment import Deployment
 from kvreuse.oracle import Entry, OracleRequest, ident, num_units, oracle
 from kvreuse.sched import ReplayTokens, Scheduler, ScriptedEngine

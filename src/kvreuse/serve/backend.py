@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvreuse.core import DEVICE_MEDIUM, KVCacheManager, SharedTier, TierSpec
+from kvreuse.core import KVCacheManager, SharedTier, TierSpec
+from kvreuse.core.spi import DEVICE_MEDIUM
 from kvreuse.deployment import (
     Deployment,
     DeploymentSpec,

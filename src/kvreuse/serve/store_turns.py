@@ -25,7 +25,7 @@ snapshot, not the history.
 
 The store failing is never the server's failure: any error of Redis (refused, timed out, out of
 memory, a script error) or a turn not free within `wait_s` detaches the copy (it offers no hit
-and takes no block: kvreuse.core.shared_tier) and opens a breaker that keeps the server from
+and takes no block: kvreuse.core.tiers.shared) and opens a breaker that keeps the server from
 asking again for a while; steps run meanwhile as if there were no store. A slot whose bytes a
 fault lost is a miss when read (the engine checks every value's identity), so no fault can make
 a token wrong; a rebuilt copy is the store's view again.
@@ -41,7 +41,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from kvreuse.core import InvariantError, SharedTier, TierState
+from kvreuse.core import InvariantError, SharedTier
+from kvreuse.core.spi import TierState
 from kvreuse.serve.store_view import (
     StoreKeys,
     decode_state,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from kvreuse.core import TierState
+from kvreuse.core.spi import TierState
 
 
 # ------------------------------------------------------------------------------ encoding

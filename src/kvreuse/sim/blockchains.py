@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvreuse.core import Hasher
+from kvreuse.core.spi import Hasher
 from kvreuse.sim.workload import WorkloadRequest
 
 

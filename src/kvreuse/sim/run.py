@@ -196,7 +196,7 @@ class _Run:
         num, nxt = fast.quiet_steps(), self.feeder.next_arrival()
         dt = self.meter.step_time(0, fast.num_decode_tokens)  # also counts no save, no chunk
         used = self.sched.num_usable_blocks - self.mgr.num_free_blocks
-        counters = self.mgr.counters
+        counters = self.mgr.stats.counters
         queries, hits = counters["prefix_cache_queries"], counters["prefix_cache_hits"]
         point = (used / (self.mgr.config.num_blocks - 1), hits / queries if queries else 0.0)
         clock, taken, add = self.clock, 0, self.timeline.append
@@ -234,8 +234,8 @@ class _Run:
             self._finish(seq)
         # usage where it peaks: after the step's allocations, before its finishes released
         self.peak_used = max(self.peak_used, st.num_used_blocks)
-        queries = mgr.counters["prefix_cache_queries"]
-        hits = mgr.counters["prefix_cache_hits"]
+        queries = mgr.stats.counters["prefix_cache_queries"]
+        hits = mgr.stats.counters["prefix_cache_hits"]
         usage = st.num_used_blocks / (mgr.config.num_blocks - 1)
         self.timeline.append((self.clock, usage, hits / queries if queries else 0.0))
         self.evicted.append(mgr.pool.num_evicted_blocks)

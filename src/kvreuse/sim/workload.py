@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvreuse.core import TOKEN_TYPECODE
+from kvreuse.core.spi import TOKEN_TYPECODE
 from kvreuse.sim.jsonl import LineError, json_lines
 
 FIELDS = {"id", "prompt", "max_tokens", "arrival", "after", "cache_salt", "lora"}

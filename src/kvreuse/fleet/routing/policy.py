@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Protocol
 
-from kvreuse.core import Geometry, LookupResult, compute_lookup, tier_hit_tokens, tier_sources
+from kvreuse.core import Geometry, LookupResult, compute_lookup
+from kvreuse.core.spi import tier_hit_tokens, tier_sources
 from kvreuse.events import ReplicaMirror, attention_group
 from kvreuse.fleet import POLICIES, TEXT_MATCH_THRESHOLD, check_policy
 from kvreuse.fleet.routing.query import UNKNOWN_TIER_PRICE, FleetView, Query, TierPrice

@@ -9,7 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvreuse.core import Chain, Geometry
+from kvreuse.core import Geometry
+from kvreuse.core.spi import Chain
 from kvreuse.events import ReplicaMirror
 from kvreuse.events.holders import Holders
 from kvreuse.events.wire import low64

@@ -38,15 +38,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvreuse.core import (
-    TOKEN_TYPECODE,
-    CacheConfig,
-    Chain,
-    Geometry,
-    Hasher,
-    MultiModalItem,
-    Stage,
-)
+from kvreuse.core import CacheConfig, Geometry, MultiModalItem
+from kvreuse.core.spi import TOKEN_TYPECODE, Chain, Hasher, Stage
 from kvreuse.events import ReplicaMirror, StoreMirror, attention_group
 from kvreuse.events.holders import Holders
 from kvreuse.events.wire import WireEvent

@@ -11,7 +11,7 @@ holds the keys the store holds after the last turn:
     ["extend", 7, keys]   ──► the slot's later keys join it                  ─► mirror
     ["touch", 7]          ──► nothing a lookup reads (the store's LRU order)
 
-The index follows the core's rule (kvreuse.core.tiers.Tier): a key belongs to the first slot
+The index follows the core's rule (kvreuse.core.tiers.tier.Tier): a key belongs to the first slot
 that indexed it, and leaves with that slot only. Before each decision the dispatcher reads the
 view (`fetch()`, I/O only) and applies it (`apply_fetched()`, memory only). `exact` says whether
 the view is complete and current as of that read: after a read that failed, an epoch that

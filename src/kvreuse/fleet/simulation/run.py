@@ -21,7 +21,7 @@ an engine runs a step's tier ops before its forward, and only this order is the 
 loaded from a tier by the same cost model (`TierPrice`). With `score_tiers` off it hears only
 device events, as one that reads no `medium` would.
 
-Replicas sharing a store take their steps one at a time (kvreuse.core.shared_tier): the
+Replicas sharing a store take their steps one at a time (kvreuse.core.tiers.shared): the
 simulation decides one replica's whole step (`Scheduler.step`, sealed) before another's.
 
 A replica's load follows the router's rule (`kvreuse.fleet.routing.router`): here every step is

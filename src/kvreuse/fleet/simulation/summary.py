@@ -216,7 +216,7 @@ def reconcile(
     keys); every request finished."""
     checks = {"every_request_finished": tally.num_rows == total}
     for r, mgr in enumerate(managers):
-        c = mgr.counters
+        c = mgr.stats.counters
         checks[f"r{r}_cached_tokens_equal_hits"] = tally.cached[r] == c["prefix_cache_hits"]
         checks[f"r{r}_prompts_equal_queries"] = (
             tally.admitted_prompt[r] == c["prefix_cache_queries"]

@@ -19,7 +19,7 @@ byte and text strings, arrays, null), which is what ``cbor2.dumps(..., canonical
 for them; the tests check both against vLLM itself. Encoding it here keeps the core free of a
 dependency. There is no C kernel for it: `kvreuse.core.native.chain_kernel` returns None for
 this algorithm, so the native and pure cores run this same Python. The chain itself is
-`kvreuse.core.hashing.CborChain`, which calls these functions.
+`kvreuse.core.hashing.chain.CborChain`, which calls these functions.
 """
 
 from __future__ import annotations
@@ -97,8 +97,8 @@ def block_extra_keys(
     k: int, u: int, lora: tuple[str, str] | None, items: Sequence[Any], cache_salt: str | None
 ) -> tuple[Any, ...] | None:
     """vLLM's tagged extra keys of block ``k >= 1`` (None when it has none). ``items`` in
-    order of offset, as vLLM keeps a request's multimodal features: `kvreuse.core.hashing.MMItem`
-    (not imported: `hashing` imports this module)."""
+    order of offset, as vLLM keeps a request's multimodal features
+    (`kvreuse.core.hashing.keys.MMItem`)."""
     s, e = (k - 1) * u, k * u
     keys: list[tuple[Any, ...]] = [("lora", lora[0], lora[1])] if lora is not None else []
     keys += [

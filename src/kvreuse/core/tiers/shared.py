@@ -46,19 +46,15 @@ silently differs. Who holds the turn and where the journal lives is the engine's
 from __future__ import annotations
 
 import hashlib
-from collections import Counter
-from collections.abc import Iterable
 from dataclasses import astuple, dataclass
 from typing import Any, cast
 
 from kvreuse.core.config import CacheConfig
 from kvreuse.core.errors import ConfigError, InvariantError, SharedTierBusyError
 from kvreuse.core.events import Event, EventLog
-from kvreuse.core.ledger import StepLedger
-from kvreuse.core.metrics import uncount_admission
-from kvreuse.core.request import Deferral, RequestState
-from kvreuse.core.tier_lookup import TierLoads
-from kvreuse.core.tiers import Keys, Slot, Tier, TierOp, TierSpec, TierStack
+from kvreuse.core.tiers.ops import Keys
+from kvreuse.core.tiers.spec import TierSpec
+from kvreuse.core.tiers.tier import Slot, Tier
 
 Change = tuple[object, ...]  # ("place", slot, group id, keys) | ("take", slot) | …
 
@@ -241,63 +237,3 @@ class SharedTier(Tier):
                 raise InvariantError(f"shared tier {self.spec.name!r}: unknown change {op!r}")
         if changes:
             self.version += 1  # (each change bumped it already; touches did not)
-
-
-class TierTurns:
-    """The facade's side of the sharing rule (a mixin of kvreuse.core.manager): whose turn it
-    is, how old a lookup is, the ops an engine takes between steps and what it could not carry
-    out of them."""
-
-    tiers: TierStack
-    epoch: int
-    loads: TierLoads
-    ledger: StepLedger
-    counters: Counter[str]
-    reasons: Counter[str]
-
-    def _turn(self) -> None:
-        """Before a call that reads or changes a tier shared with other managers: raise if
-        one's ops on it are pending (kvreuse.core.shared_tier)."""
-        if self.tiers.shared:
-            self.tiers.check_turn()
-
-    def _publishing(self) -> None:
-        """Before a call that may publish (commit, finish, preempt): with a tier that writes
-        through, publishing changes the tier, so it is a turn of its own too."""
-        if self.tiers.writes_through:
-            self._turn()
-
-    def _epoch(self) -> int:
-        """The epoch a lookup carries: the manager's, plus the changes to a tier it shares
-        (another manager's make an older lookup stale too)."""
-        return self.epoch + self.tiers.shared_version() if self.tiers.shared else self.epoch
-
-    def tier_faults(
-        self, slots: Iterable[tuple[int, int, int, Keys]], block_ids: Iterable[int] = ()
-    ) -> list[str]:
-        """What the engine could not carry out of the ops it was handed, as misses: each of
-        `slots` (tier, slot, group id, the keys of the op that read or wrote it) was found
-        without those keys' bytes (absent, altered, another block's, or the store unreachable),
-        so it is forgotten while it still holds those keys; `block_ids` are device blocks a
-        `Load` did not fill. The
-        requests that loaded those blocks, all in sealed steps, publish nothing at their step's
-        commit and go back to wait for a new lookup, as a preemption does; their admission is
-        not counted (a hit never delivered). Returns those requests' ids."""
-        for t, slot, gid, keys in slots:
-            self.tiers.drop(t, slot, gid, keys)
-        blocks = set(block_ids)
-        recs = self.loads.owners(blocks) if blocks else []
-        failed: dict[str, RequestState] = {r.req.request_id: r.req for r in recs}
-        for st in failed.values():
-            self.loads.drop(self.ledger.records_of(st))
-            uncount_admission(self.counters, self.reasons, st, self.tiers)
-            if st.deferred is None:
-                self.ledger.defer(st, Deferral.PREEMPT)
-        self.epoch += 1
-        return list(failed)
-
-    def take_tier_ops(self) -> list[TierOp]:
-        """The tier ops decided since the last `seal_step()` (the write-through copies of what
-        a commit or a finish published), for an engine that runs them now instead of before
-        the next step; a shared tier they held is free for the other managers again."""
-        return self.tiers.take_ops() if self.tiers else []

@@ -1,4 +1,5 @@
-"""Memory tiers below the device pool: where evicted blocks go instead of being dropped.
+"""The tiers below one device pool (`TierStack`): where evicted blocks go instead of being
+dropped, and what a tier writes through.
 
     device pool ──evict──► tier 0 (host) ──evict──► tier 1 (store) ──evict──► dropped
          ▲                    │                        │
@@ -9,7 +10,7 @@ block carried (a large page carries several sub-page keys; a state block one). T
 inclusive of what they loaded: a slot stays after its block is loaded back, so the next
 eviction of that block finds its bytes already there and copies nothing. Each tier keeps its
 own LRU order over its slots and its own index per group (key → slot), in the same shape as the
-pool's, so the lookup rules read a tier exactly as they read the pool (kvreuse.core.tier_lookup).
+pool's, so the lookup rules read a tier exactly as they read the pool (kvreuse.core.tiers.view).
 
 The engine moves the bytes; this module only decides, recording each decision as a `TierOp` in
 the order it was made. The manager hands them out with the next `StepPlan` (`tier_ops`), and
@@ -34,145 +35,12 @@ of the same bytes.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
-from kvreuse.core.errors import ConfigError, InvariantError, SharedTierBusyError
-from kvreuse.core.tier_spec import (
-    DEVICE_MEDIUM,
-    Admission,
-    Demote,
-    Keys,
-    Load,
-    Move,
-    TierEvents,
-    TierOp,
-    TierSpec,
-)
-
-__all__ = [
-    "DEVICE_MEDIUM",
-    "Admission",
-    "Demote",
-    "Keys",
-    "Load",
-    "Move",
-    "Tier",
-    "TierEvents",
-    "TierOp",
-    "TierSpec",
-    "TierStack",
-]
-
-
-@dataclass(slots=True)
-class Slot:
-    group_id: int
-    keys: Keys
-
-
-class Tier:
-    """One tier's slots, its per-group index and its LRU order (oldest first)."""
-
-    shared = False  # one object below several stacks (kvreuse.core.shared_tier)
-    log: TierEvents | None = None  # a shared tier's own event log
-
-    def __init__(self, spec: TierSpec, num_groups: int) -> None:
-        self.spec = spec
-        self.slots: dict[int, Slot] = {}
-        self.index: list[dict[bytes, int]] = [{} for _ in range(num_groups)]
-        self.order: OrderedDict[int, None] = OrderedDict()
-        self.pinned: set[int] = set()
-        self._free = list(range(spec.num_blocks - 1, -1, -1))  # pop() takes slot 0 first
-        self.version = 0  # counts changes to the slots (a shared tier's readers compare it)
-        self.holder: object | None = None  # a shared tier: the stack whose ops are not taken
-
-    def __len__(self) -> int:
-        return len(self.slots)
-
-    def find(self, group_id: int, key: bytes) -> int | None:
-        return self.index[group_id].get(key)
-
-    def touch(self, slot: int) -> None:
-        self.order.move_to_end(slot)
-
-    def victim(self) -> int | None:
-        """The least recently used slot not pinned by a load in progress."""
-        for s in self.order:
-            if s not in self.pinned:
-                return s
-        return None
-
-    def take(self, slot: int) -> tuple[Slot, Keys]:
-        """Remove a slot and free its number; returns it and the keys that left the index
-        (those another slot indexed first stay)."""
-        entry = self.slots.pop(slot)
-        del self.order[slot]
-        self.version += 1
-        idx = self.index[entry.group_id]
-        gone: Keys = []
-        for bd, key in entry.keys:
-            if idx.get(key) == slot:
-                del idx[key]
-                gone.append((bd, key))
-        self._free.append(slot)
-        return entry, gone
-
-    def place(self, entry: Slot) -> tuple[int, Keys]:
-        """Put `entry` in a free slot (the caller made room) as the most recently used; returns
-        the slot and the keys it added to the index (one another slot indexes keeps that slot)."""
-        slot = self._free.pop()
-        self.slots[slot] = entry
-        self.version += 1
-        self.order[slot] = None
-        idx = self.index[entry.group_id]
-        new: Keys = []
-        for bd, key in entry.keys:
-            if key not in idx:
-                idx[key] = slot
-                new.append((bd, key))
-        return slot, new
-
-    def extend(self, slot: int, keys: Keys) -> Keys:
-        """Slot `slot` now holds a later copy of the same page, carrying `keys` (its old keys
-        and more); returns the keys this added to the index. It becomes the most recent."""
-        entry = self.slots[slot]
-        entry.keys = list(keys)
-        self.version += 1
-        self.order.move_to_end(slot)
-        idx = self.index[entry.group_id]
-        new: Keys = []
-        for bd, key in keys:
-            if key not in idx:
-                idx[key] = slot
-                new.append((bd, key))
-        return new
-
-    def clear(self) -> None:
-        """Forget every slot, in place: views over the index (kvreuse.core.tier_lookup) stay
-        bound to it."""
-        self.slots.clear()
-        for idx in self.index:
-            idx.clear()
-        self.order.clear()
-        self.pinned.clear()
-        self._free = list(range(self.spec.num_blocks - 1, -1, -1))
-        self.version += 1
-
-    def is_full(self) -> bool:
-        return not self._free
-
-    def audit(self, where: str) -> None:
-        if len(self.slots) > self.spec.num_blocks or len(self.slots) != len(self.order):
-            raise InvariantError(f"{where}: {len(self.slots)} slots in {self.spec.num_blocks}")
-        if self.pinned:
-            raise InvariantError(f"{where}: slots {sorted(self.pinned)} still pinned")
-        for gid, idx in enumerate(self.index):
-            for key, slot in idx.items():
-                entry = self.slots.get(slot)
-                if entry is None or entry.group_id != gid or key not in {k for _, k in entry.keys}:
-                    raise InvariantError(f"{where}: index of group {gid} names slot {slot} wrongly")
+from kvreuse.core.errors import ConfigError, SharedTierBusyError
+from kvreuse.core.tiers.ops import Demote, Keys, Load, Move, TierOp
+from kvreuse.core.tiers.spec import TierSpec
+from kvreuse.core.tiers.tier import Slot, Tier, TierEvents
 
 
 class TierStack:
@@ -185,7 +53,7 @@ class TierStack:
         log: TierEvents | None = None,
     ) -> None:
         """`specs`: a TierSpec for a tier of this stack's own, or a `Tier` object another
-        stack shares (kvreuse.core.shared_tier), whose changes go to its own `log`."""
+        stack shares (kvreuse.core.tiers.shared), whose changes go to its own `log`."""
         tiers = [s if isinstance(s, Tier) else Tier(s, len(kinds)) for s in specs]
         names, media = [t.spec.name for t in tiers], [t.spec.medium for t in tiers]
         if len(set(names)) != len(names):
@@ -218,6 +86,14 @@ class TierStack:
                 tier.holder = None
         return ops
 
+    def count_hit_tokens(self, got: Sequence[int]) -> None:
+        """A first admission's hit loaded `got` tokens from each tier (`hit_tokens`)."""
+        self.hit_tokens = [a + b for a, b in zip(self.hit_tokens, got, strict=True)]
+
+    def uncount_hit_tokens(self, got: Sequence[int]) -> None:
+        """That admission delivered nothing (its loads failed): take `got` back."""
+        self.hit_tokens = [a - b for a, b in zip(self.hit_tokens, got, strict=True)]
+
     # ------------------------------------------------------------------ sharing
     def check_turn(self) -> None:
         """SharedTierBusyError while another stack's ops on a shared tier are not yet taken."""
@@ -228,6 +104,12 @@ class TierStack:
                     "taken by its seal_step() and run; managers sharing a tier take their "
                     "steps one at a time"
                 )
+
+    def check_publish_turn(self) -> None:
+        """Before a call that may publish (commit, finish, preempt): with a tier that writes
+        through, publishing changes the tier, so it is a turn of its own too."""
+        if self.writes_through:
+            self.check_turn()
 
     def shared_version(self) -> int:
         """Grows with every change to a shared tier, whichever stack made it (a lookup made

@@ -1,130 +1,30 @@
-"""A lookup across the pool and its tiers, and the loads that turn its hit into device blocks.
+"""The loads that turn a hit from the tiers into device blocks, held until their step commits.
 
-The lookup rules (kvreuse.core.lookup) read an `IndexView`; `TierView` is one whose index of each
-group is the pool's index, then each tier's in order, a tier entry standing for a *virtual*
-block id below zero:
-
-    virtual id  =  −(1 + t·2³² + slot)      t: the tier, slot: its slot number
-    0           =  NULL (a page the hit does not need), as in the pool's own rows
-
-So the hit is the largest x every group accepts over everything held anywhere, by the same
-rules: a hit whose recurrent state, window page or DCP-sharded page no tier kept is no hit, as
-on the device alone. The slots of such a result name the blocks to adopt and, below zero, the
-tier slots to load. `load_hit` does the loading inside `allocate`: it pins those slots (a
-demotion the loads cause must not evict them), pops one fresh device block per slot and records
-a `Load` for each, then hands `admit` the same result with real block ids: from then on the
-admission is the one it would be had the blocks never left the device. The loaded blocks get
-their keys when the step commits (`publish_loaded`); until then another request that needs the
-same prefix loads its own copy from the tier, which still holds it.
+`load_hit` does the loading inside `allocate`: it pins the hit's tier slots (a demotion the
+loads cause must not evict them), pops one fresh device block per slot and records a `Load`
+for each, then hands `admit` the same result with real block ids: from then on the admission is
+the one it would be had the blocks never left the device. The loaded blocks get their keys when
+the step commits (`TierLoads.publish`); until then another request that needs the same prefix
+loads its own copy from the tier, which still holds it. Loads the engine could not carry out
+are misses (`forget_faults`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from kvreuse.core.kinds import Stage
-from kvreuse.core.ledger import PlanRecord
+from kvreuse.core.ledger import PlanRecord, StepLedger
 from kvreuse.core.lookup import LookupResult
+from kvreuse.core.metrics import CacheStats
 from kvreuse.core.pool import BlockPool
-from kvreuse.core.tiers import TierStack
+from kvreuse.core.request import Deferral, RequestState
+from kvreuse.core.tiers.ops import Keys
+from kvreuse.core.tiers.stack import TierStack
+from kvreuse.core.tiers.view import tier_hit_tokens, virtual_id
 
-_TIER_STRIDE = 1 << 32
 NO_TIER_TOKENS: tuple[int, ...] = ()  # an admission that loaded nothing
-
-
-def virtual_id(t: int, slot: int) -> int:
-    return -(1 + t * _TIER_STRIDE + slot)
-
-
-def source_of(virtual: int) -> tuple[int, int]:
-    """(tier, slot) of a virtual block id."""
-    v = -virtual - 1
-    return v // _TIER_STRIDE, v % _TIER_STRIDE
-
-
-class LayeredIndex(Mapping[bytes, int]):
-    """One group's keys: the pool's index first, then each tier's (as virtual ids)."""
-
-    __slots__ = ("device", "tiers")
-
-    def __init__(self, device: Mapping[bytes, int], tiers: list[Mapping[bytes, int]]) -> None:
-        self.device, self.tiers = device, tiers
-
-    def get(self, key: bytes, default: int | None = None) -> int | None:  # type: ignore[override]
-        blk = self.device.get(key)
-        if blk is not None:
-            return blk
-        for t, idx in enumerate(self.tiers):
-            slot = idx.get(key)
-            if slot is not None:
-                return virtual_id(t, slot)
-        return default
-
-    def __getitem__(self, key: bytes) -> int:
-        blk = self.get(key)
-        if blk is None:
-            raise KeyError(key)
-        return blk
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.device or any(key in idx for idx in self.tiers)
-
-    def __iter__(self) -> Iterator[bytes]:
-        seen = set(self.device)
-        yield from self.device
-        for idx in self.tiers:
-            for key in idx:
-                if key not in seen:
-                    seen.add(key)
-                    yield key
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-
-class TierView:
-    """An IndexView over the pool and its tiers (the module docstring)."""
-
-    def __init__(self, pool: BlockPool, tiers: TierStack) -> None:
-        self.pool = pool
-        self.index: list[LayeredIndex] = [
-            LayeredIndex(pool.index[gid], [tier.index[gid] for tier in tiers.tiers])
-            for gid in range(len(pool.index))
-        ]
-
-    def in_ghost(self, group_id: int, key: bytes) -> bool:
-        return self.pool.in_ghost(group_id, key)
-
-
-def tier_sources(res: LookupResult) -> list[tuple[int, int, int]]:
-    """(group id, tier, slot) of every block of the hit that must be loaded, in group order
-    and, within a group, table order (the recurrent source last)."""
-    out: list[tuple[int, int, int]] = []
-    for gid in sorted(set(res.slots) | set(res.state_src)):
-        for blk in res.slots.get(gid, ()):
-            if blk < 0:
-                out.append((gid, *source_of(blk)))
-        src = res.state_src.get(gid)
-        if src is not None and src < 0:
-            out.append((gid, *source_of(src)))
-    return out
-
-
-def tier_hit_tokens(res: LookupResult, group_id: int, page_size: int, num_tiers: int) -> list[int]:
-    """Per tier, the tokens of the hit on the pages of group `group_id` (a full-attention
-    group, pages of `page_size` tokens) that the hit loads from that tier: what a tier gives
-    back, counted as the hit counters count tokens."""
-    out = [0] * num_tiers
-    for j, blk in enumerate(res.slots.get(group_id, ())):
-        if blk < 0:
-            out[source_of(blk)[0]] += min((j + 1) * page_size, res.hit) - j * page_size
-    return out
-
-
-def device_hits(blocks: Sequence[int]) -> list[int]:
-    return [b for b in blocks if b > 0]
-
 
 Loaded = list[tuple[int, int, list[tuple[int, bytes]]]]  # (group id, block id, keys)
 
@@ -206,7 +106,7 @@ class TierLoads:
         got = NO_TIER_TOKENS
         if first and self._full is not None:
             got = tuple(tier_hit_tokens(res, *self._full, len(self.tiers.tiers)))
-            self.tiers.hit_tokens = [a + b for a, b in zip(self.tiers.hit_tokens, got, strict=True)]
+            self.tiers.count_hit_tokens(got)
         res, self._pending = load_hit(self.pool, self.tiers, res)
         return res, got
 
@@ -241,3 +141,29 @@ class TierLoads:
         return [
             rec for rec, loaded in self._of.values() if any(b in block_ids for _, b, _ in loaded)
         ]
+
+
+def forget_faults(
+    stack: TierStack,
+    loads: TierLoads,
+    ledger: StepLedger,
+    stats: CacheStats,
+    slots: Iterable[tuple[int, int, int, Keys]],
+    block_ids: Iterable[int],
+) -> list[str]:
+    """What the engine could not carry out of the ops it was handed, as misses (the facade's
+    `tier_faults`): each of `slots` (tier, slot, group id, the keys of the op) is forgotten
+    while it still holds those keys; the requests whose loads fill any of `block_ids` publish
+    nothing at their step's commit and go back to wait, their admission uncounted. Returns
+    those requests' ids."""
+    for t, slot, gid, keys in slots:
+        stack.drop(t, slot, gid, keys)
+    blocks = set(block_ids)
+    recs = loads.owners(blocks) if blocks else []
+    failed: dict[str, RequestState] = {r.req.request_id: r.req for r in recs}
+    for st in failed.values():
+        loads.drop(ledger.records_of(st))
+        stats.uncount_admission(st, stack)
+        if st.deferred is None:
+            ledger.defer(st, Deferral.PREEMPT)
+    return list(failed)

@@ -1,121 +1,33 @@
-"""Chained prefix hashing (spec section 5).
+"""A request's hash chain (spec 5): ``hashes[k] == H[k]``, extended as tokens arrive.
 
-``H[k]`` names the whole prefix ``[0, k*u)`` of a request, its extra keys and, in lookahead mode,
-the L tokens after it, because each unit's digest includes its parent.  The module is pure (no
-I/O) and imports ``xxhash`` / ``blake3`` only when their algorithm is chosen, so the core stays
-importable without them.
-
-``enc`` (in `kvreuse.core.encoding`) is the normative definition of the hashed bytes.
-``Chain.extend`` is the fast path: it emits exactly the bytes ``enc`` would, but splices them
-from precomputed constant pieces and one bulk token conversion, because hashing runs on every
+``H[k]`` names the whole prefix ``[0, k*u)`` of a request, its extra keys and, in lookahead
+mode, the L tokens after it, because each unit's digest includes its parent. ``enc`` (in
+`kvreuse.core.encoding`) is the normative definition of the hashed bytes; ``Chain.extend`` is
+the fast path: it emits exactly the bytes ``enc`` would, but splices them from the constant
+pieces of a `UnitTemplate` and one bulk token conversion, because hashing runs on every
 admitted token. With the optional C kernels (`kvreuse.core.native`), a run of SHA-256 units is
-digested in one call over the same bytes.
+digested in one call over the same bytes. `CborChain` is vLLM's chain instead
+(`kvreuse.core.hashing.cbor`), for hash_algo "sha256_cbor".
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import struct
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvreuse.core import hashing_cbor as _cb
-from kvreuse.core import native
-from kvreuse.core.encoding import TokenArray, enc, tok_bytes, u64
-from kvreuse.core.hashing_keys import Lora, MMItem, _check_extras, _prepare
-from kvreuse.core.hashing_keys import unit_extra_keys as unit_extra_keys  # re-exported
-
-# the digests over kvreuse's own encoding `enc`; "sha256_cbor" is vLLM's own chain instead
-# (`kvreuse.core.hashing_cbor`): its root depends on the seed alone and it has no lookahead
-ENCODED_ALGOS = ("sha256", "xxh3_128", "blake3")
-HASH_ALGOS = (*ENCODED_ALGOS, "sha256_cbor")
-_PACKAGES = {"xxh3_128": "xxhash", "blake3": "blake3"}
-
-
-def _import(algo: str) -> Any:
-    if algo not in _PACKAGES:
-        raise ValueError(f"unknown hash_algo {algo!r}; expected one of {HASH_ALGOS}")
-    pkg = _PACKAGES[algo]
-    try:
-        return __import__(pkg)
-    except ImportError as e:
-        raise ImportError(f"hash_algo {algo!r} needs the {pkg} package: pip install {pkg}") from e
-
-
-def algo_available(algo: str) -> bool:
-    """Whether ``algo`` is known and its package importable (config validation V7)."""
-    try:
-        if algo not in ("sha256", "sha256_cbor"):
-            _import(algo)
-    except (ImportError, ValueError):
-        return False
-    return True
-
-
-def _digest_parts(algo: str) -> tuple[Callable[[bytes], Any] | None, Callable[[bytes], bytes]]:
-    """``(ctor, digest)``. The hot loop inlines ``ctor(m).digest()`` when ``ctor`` is set, to
-    avoid a Python wrapper frame per unit, else calls ``digest`` (a C function for xxh3)."""
-    if algo in ("sha256", "sha256_cbor"):
-        sha = hashlib.sha256
-        return sha, lambda b: sha(b).digest()
-    mod = _import(algo)
-    if algo == "xxh3_128":
-        return None, mod.xxh3_128_digest  # seed 0, canonical big-endian 16 bytes
-    b3 = mod.blake3
-    return b3, lambda b: b3(b).digest()
-
-
-def make_digest(algo: str) -> Callable[[bytes], bytes]:
-    """The digest ``D`` of spec 5.4 as a ``bytes -> bytes`` function."""
-    return _digest_parts(algo)[1]
-
-
-_random_seed: bytes | None = None
-
-
-def default_seed(algo: str) -> str | bytes:
-    """The seed used when ``hash_seed`` is unset (spec 5.4).
-
-    SHA-256 gets a fixed string so routers and event consumers can recompute hashes anywhere.
-    The fast digests get 32 random bytes drawn once per process, so sharing their keys across
-    processes is an explicit opt-in (a common ``hash_seed``); the warning makes the otherwise
-    silent loss of cross-process hits visible.
-    """
-    global _random_seed
-    if algo == "sha256":
-        return "kvreuse/v1"
-    if algo == "sha256_cbor":
-        return "vllm-none-hash"  # what vLLM uses for sha256_cbor without PYTHONHASHSEED
-    if algo not in _PACKAGES:
-        raise ValueError(f"unknown hash_algo {algo!r}; expected one of {HASH_ALGOS}")
-    if _random_seed is None:
-        _random_seed = os.urandom(32)
-        warnings.warn(
-            f"hash_algo {algo!r} without hash_seed: using a random per-process seed, so hashes "
-            "are not shared across processes; set hash_seed to share them",
-            stacklevel=2,
-        )
-    return _random_seed
-
-
-def root_hash(algo: str, hash_unit: int, lookahead: int, seed: str | bytes | None) -> bytes:
-    """``H[0] = D(enc(("kvr/root", algo, u, L, seed)))``: configurations with a different
-    algorithm, unit, lookahead or seed never share a key."""
-    if algo == "sha256_cbor":  # vLLM's NONE_HASH: its own derivation, not kvreuse's tuple
-        return _cb.none_hash(seed)
-    if seed is None:
-        seed = default_seed(algo)
-    return make_digest(algo)(enc(("kvr/root", algo, hash_unit, lookahead, seed)))
+from kvreuse.core.encoding import enc, tok_bytes
+from kvreuse.core.hashing.cbor import block_extra_keys, cbor, cbor_tokens
+from kvreuse.core.hashing.keys import Lora, MMItem, check_extras, prepare_extras
 
 
 @dataclass(frozen=True, slots=True)
 class UnitTemplate:
     """The constant pieces of ``enc(("kvr/unit", parent, Tok(unit), Tok(successors), X_k))``.
 
-    Built once per configuration by `Hasher` and held by every chain, so `Chain.extend` splices
+    Built once per configuration by the `Hasher` and held by every chain, so `Chain.extend` splices
     each unit's message from them instead of encoding the 5-tuple per unit:
 
         pre | parent | mid | unit tokens | la_hdr | successor tokens | enc(X_k)
@@ -156,23 +68,30 @@ class Chain:
 
     def __init__(
         self,
-        hasher: Hasher,
+        template: UnitTemplate,
         *,
         lora: Lora | None = None,
         mm_items: Sequence[MMItem] = (),
         cache_salt: str | None = None,
     ) -> None:
-        self.template = t = hasher.template
-        self.hashes: list[bytes] = [t.root]
+        self.template = template
+        self.hashes: list[bytes] = [template.root]
         # n, the number of hashed units (len(hashes) - 1): the chain proves nothing beyond n*u
         # tokens. A plain attribute, kept by `extend`: it is read several times per step.
         self.num_units = 0
+        self._keep_keys(lora, mm_items, cache_salt)
+
+    def _keep_keys(
+        self, lora: Lora | None, mm_items: Sequence[MMItem], cache_salt: str | None
+    ) -> None:
+        """Validate the extra keys and keep what `extend` needs of them (each chain its own)."""
         if lora is None and not mm_items and cache_salt is None:  # most requests: no keys
             self._base, self._salt, self._mm, self._special_max = (), (), [], 0
             self._xdef = _NO_KEYS
             return
-        self._base, items, self._salt = _prepare(lora, mm_items, cache_salt)
+        self._base, items, self._salt = prepare_extras(lora, mm_items, cache_salt)
         self._xdef = enc(self._base)  # X_k of every unit without mm keys or salt
+        t = self.template
         u, la = t.hash_unit, t.lookahead
         # (first unit, last unit, identifier, offset) of each item whose window meets a unit, in
         # canonical order. Only the bounds are computed here: an item may reach far beyond the
@@ -287,26 +206,19 @@ def _words(tokens: Sequence[int], lo: int, hi: int) -> memoryview:
 
 class CborChain(Chain):
     """A `Chain` whose ``hashes[k]`` are vLLM's block hashes (``hashes[0]``: ``NONE_HASH``),
-    for hash_algo "sha256_cbor" (the encoding and vLLM's rules: `kvreuse.core.hashing_cbor`)."""
+    for hash_algo "sha256_cbor" (the encoding and vLLM's rules: `kvreuse.core.hashing.cbor`)."""
 
     __slots__ = ("_items", "_lora", "_nokeys", "_xlast", "cache_salt")
 
-    def __init__(
-        self,
-        hasher: Hasher,
-        *,
-        lora: Lora | None = None,
-        mm_items: Sequence[MMItem] = (),
-        cache_salt: str | None = None,
+    def _keep_keys(
+        self, lora: Lora | None, mm_items: Sequence[MMItem], cache_salt: str | None
     ) -> None:
-        _check_extras(lora, mm_items, cache_salt)
-        self.template = t = hasher.template
-        self.hashes = [t.root]
-        self.num_units = 0
+        check_extras(lora, mm_items, cache_salt)
+        t = self.template
         self._lora = lora
         self.cache_salt = cache_salt or None  # read by the core's BlockStored events
         self._items = sorted((it for it in mm_items if it.length > 0), key=lambda it: it.offset)
-        self._nokeys = _cb.cbor(_cb.block_extra_keys(2, t.hash_unit, lora, (), None))
+        self._nokeys = cbor(block_extra_keys(2, t.hash_unit, lora, (), None))
         # past the last multimodal item and block 1, every block's extra keys are _nokeys
         u = t.hash_unit
         self._xlast = max((-(-(it.offset + it.length) // u) for it in self._items), default=1)
@@ -320,84 +232,13 @@ class CborChain(Chain):
         last, ap, nokeys, xlast = self.hashes[-1], self.hashes.append, self._nokeys, self._xlast
         for k in range(n0 + 1, n + 1):
             extra = (
-                _cb.cbor(_cb.block_extra_keys(k, u, self._lora, self._items, self.cache_salt))
+                cbor(block_extra_keys(k, u, self._lora, self._items, self.cache_salt))
                 if k <= xlast
                 else nokeys
             )
             # (parent, tokens, extra) as a 3-array; the parent is always a 32-byte string
-            msg = b"\x83\x58\x20" + last + _cb.cbor_tokens(tokens[(k - 1) * u : k * u]) + extra
+            msg = b"\x83\x58\x20" + last + cbor_tokens(tokens[(k - 1) * u : k * u]) + extra
             last = hashlib.sha256(msg).digest()
             ap(last)
         self.num_units = n
         return n
-
-
-class Hasher:
-    """Per-configuration hashing (algorithm, unit u, lookahead L, seed); builds chains.
-
-    Holds the root and the `UnitTemplate` (the constant byte pieces of
-    ``enc(("kvr/unit", parent, Tok, Tok, X))``), computed once per configuration instead of
-    once per unit.
-    """
-
-    def __init__(
-        self,
-        algo: str = "sha256",
-        hash_unit: int = 16,
-        lookahead: int = 0,
-        seed: str | bytes | None = None,
-    ) -> None:
-        if algo not in HASH_ALGOS:
-            raise ValueError(f"unknown hash_algo {algo!r}; expected one of {HASH_ALGOS}")
-        if type(hash_unit) is not int or hash_unit < 1:
-            raise ValueError(f"hash_unit must be an int >= 1, got {hash_unit!r}")
-        if type(lookahead) is not int or lookahead < 0:
-            raise ValueError(f"lookahead must be an int >= 0, got {lookahead!r}")
-        if seed is not None and not isinstance(seed, str | bytes):
-            raise TypeError("hash_seed must be str, bytes or None")
-        if algo == "sha256_cbor" and lookahead:
-            raise ValueError("hash_algo 'sha256_cbor' has no lookahead: vLLM hashes a block alone")
-        self.algo, self.hash_unit, self.lookahead = algo, hash_unit, lookahead
-        self.root = root = root_hash(algo, hash_unit, lookahead, seed)
-        ctor, self.digest = _digest_parts(algo)
-        self.template = UnitTemplate(
-            hash_unit=hash_unit,
-            lookahead=lookahead,
-            root=root,
-            pre=b"\x04" + u64(5) + enc("kvr/unit") + b"\x02" + u64(len(root)),
-            mid=b"\x05" + u64(hash_unit),
-            la_hdr=b"\x05" + u64(lookahead),
-            unit_struct=struct.Struct(f"{4 * hash_unit}s"),
-            ctor=ctor,
-            digest=self.digest,
-            kernel=native.chain_kernel(algo),
-        )
-
-    def chain(
-        self,
-        *,
-        lora: Lora | None = None,
-        mm_items: Sequence[MMItem] = (),
-        cache_salt: str | None = None,
-    ) -> Chain:
-        """A new chain, holding only the root, for one request's extra keys."""
-        if self.algo == "sha256_cbor":
-            return CborChain(self, lora=lora, mm_items=mm_items, cache_salt=cache_salt)
-        return Chain(self, lora=lora, mm_items=mm_items, cache_salt=cache_salt)
-
-    def hash_units(self, tokens: Sequence[int], **extra: Any) -> list[bytes]:
-        """``[H[0], ..., H[n]]`` of a whole token list (``extra``: the ``chain`` keywords)."""
-        c = self.chain(**extra)
-        c.extend(tokens)
-        return c.hashes
-
-    def unit_hash(
-        self, parent: bytes, tokens: Sequence[int], successors: Sequence[int], extra_keys: tuple
-    ) -> bytes:
-        """One link, straight from the definition: lets an event consumer recompute ``H[k]``
-        from ``parent_hash`` (spec 13), and is the reference the fast path is tested against.
-        For ``sha256_cbor`` it is vLLM's link, ``extra_keys`` vLLM's tagged keys (or None)."""
-        if self.algo == "sha256_cbor":
-            return _cb.block_hash(parent, tokens, extra_keys or None)
-        msg = ("kvr/unit", parent, TokenArray(tokens), TokenArray(successors), extra_keys)
-        return self.digest(enc(msg))

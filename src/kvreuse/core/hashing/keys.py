@@ -1,6 +1,6 @@
 """The extra keys of a chain (spec 5.2): LoRA, multimodal items and the cache salt, validated
-and put in canonical order. Shared by kvreuse's own chain and vLLM's (`kvreuse.core.hashing`),
-split from it to keep each module small."""
+and put in canonical order. Read by kvreuse's own chain and vLLM's
+(`kvreuse.core.hashing.chain`)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class MMItem(Protocol):
     def length(self) -> int: ...
 
 
-def _check_extras(lora: Lora | None, mm_items: Sequence[MMItem], cache_salt: str | None) -> None:
+def check_extras(lora: Lora | None, mm_items: Sequence[MMItem], cache_salt: str | None) -> None:
     # str and bytes encode differently, so a wrong type would silently split the key space.
     if lora is not None and not (
         isinstance(lora, tuple) and len(lora) == 2 and all(isinstance(x, str) for x in lora)
@@ -41,11 +41,11 @@ def _check_extras(lora: Lora | None, mm_items: Sequence[MMItem], cache_salt: str
             raise ValueError(f"multimodal offset and length must be ints in [0, 2**63): {it!r}")
 
 
-def _prepare(
+def prepare_extras(
     lora: Lora | None, mm_items: Sequence[MMItem], cache_salt: str | None
 ) -> tuple[tuple, list[MMItem], tuple]:
     """Validated ``(lora keys, items in canonical order, salt keys)``."""
-    _check_extras(lora, mm_items, cache_salt)
+    check_extras(lora, mm_items, cache_salt)
     base = (("lora", lora[0], lora[1]),) if lora is not None else ()
     items = sorted(mm_items, key=lambda it: (it.offset, enc(it.identifier)))
     return base, items, ((("salt", cache_salt),) if cache_salt else ())  # "" means no salt
@@ -61,7 +61,7 @@ def unit_extra_keys(
 ) -> tuple:
     """``X_k`` of spec 5.2 for unit ``k >= 1``: the LoRA key, the multimodal items whose
     placeholder range meets the window ``[(k-1)u, k*u + L)``, then the salt (unit 1 only)."""
-    base, items, salt = _prepare(lora, mm_items, cache_salt)
+    base, items, salt = prepare_extras(lora, mm_items, cache_salt)
     s, e = (k - 1) * u, k * u + lookahead
     mm = tuple(
         ("mm", it.identifier, it.offset - s)
