@@ -35,7 +35,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
-from kvreuse.core import Geometry, replay_point
+from kvreuse.core import Geometry
+from kvreuse.core.spi import replay_point
 from kvreuse.sched.config import SchedulerConfig
 
 
