@@ -35,6 +35,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "needs(ok, what, how): skip without it (naming how to get it); fail under CI"
     )
+    config.addinivalue_line(
+        "markers", "lint: checks the source tree, not a code path (a second pass deselects it)"
+    )
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

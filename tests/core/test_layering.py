@@ -220,6 +220,7 @@ def test_modules_stay_small() -> None:
             )
 
 
+@pytest.mark.lint
 def test_ruff_clean() -> None:
     """The lint gate runs with the tests, so CI and the README's test command cannot drift."""
     ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
@@ -233,6 +234,7 @@ def test_ruff_clean() -> None:
     assert proc.returncode == 0, "run `ruff format src tests benchmarks`:\n" + proc.stdout
 
 
+@pytest.mark.lint
 def test_mypy_clean() -> None:
     """Types are checked with the tests too (configuration in pyproject.toml, [tool.mypy])."""
     mypy = str(Path(sys.executable).parent / "mypy")  # the test venv's, pinned by the extra
