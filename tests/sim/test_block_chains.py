@@ -126,6 +126,47 @@ def test_the_core_checks_prefix_hashes_it_is_given() -> None:
     assert set(mgr.requests) == {"a"}
 
 
+def test_a_manager_that_checks_prefix_hashes_refuses_wrong_ones_naming_the_unit() -> None:
+    """Trusted by default (the first call adopts a wrong digest); checked on request."""
+    cfg = CacheConfig(num_blocks=8, groups=[GroupSpec(kind="full", block_size=4)])
+    tokens = list(range(12))
+    chain = KVCacheManager(cfg).hasher.hash_units(tokens)
+    wrong = [chain[1], chain[3], chain[3]]  # unit 2's digest is unit 3's
+    trusting = KVCacheManager(cfg)
+    trusting.add_request(Request("w", tokens, prefix_hashes=wrong))
+    assert trusting.requests["w"].chain.hashes[2] == chain[3]  # taken as given
+    mgr = KVCacheManager(cfg, check_prefix_hashes=True)
+    mgr.add_request(Request("ok", tokens, prefix_hashes=chain[1:3]))
+    assert mgr.requests["ok"].chain.hashes == chain
+    with pytest.raises(ValueError, match=r"prefix_hashes\[1\] is not the digest of unit 2 "):
+        mgr.add_request(Request("w", tokens, prefix_hashes=wrong))
+    salted = Request("s", tokens, prefix_hashes=chain[1:3], cache_salt="tenant")
+    with pytest.raises(ValueError, match=r"prefix_hashes\[0\] is not the digest of unit 1 "):
+        mgr.add_request(salted)  # a digest of the unsalted chain under another key
+    assert set(mgr.requests) == {"ok"}
+
+
+@pytest.mark.parametrize("name", ["mooncake_synthetic_excerpt", "bailian_schema_excerpt"])
+def test_the_digests_the_simulator_hands_out_pass_the_check(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every request the simulator gives trace digests to is hashed again from its tokens."""
+    adopted: list[int] = []
+
+    class Checking(KVCacheManager):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs, check_prefix_hashes=True)
+
+        def add_request(self, req: Request) -> None:
+            adopted.append(len(req.prefix_hashes))
+            super().add_request(req)
+
+    monkeypatch.setattr(sim_run, "KVCacheManager", Checking)
+    result = simulate(preset("attention-16"), excerpt(name))
+    assert result.summary["requests"] == len(excerpt(name))
+    assert sum(adopted) > 0  # digests were handed out, and every one was checked
+
+
 def excerpt(name: str) -> list[Any]:
     fmt = "bailian" if name.startswith("bailian") else "mooncake"
     text = (DATA / f"{name}.jsonl").read_text().splitlines()

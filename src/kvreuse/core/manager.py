@@ -66,9 +66,17 @@ class KVCacheManager:
     functions of their modules, each given only the owners it uses.
     """
 
-    def __init__(self, config: CacheConfig, tiers: Sequence[TierSpec | SharedTier] = ()) -> None:
+    def __init__(
+        self,
+        config: CacheConfig,
+        tiers: Sequence[TierSpec | SharedTier] = (),
+        *,
+        check_prefix_hashes: bool = False,
+    ) -> None:
         """`tiers`: memory below the pool, in order (kvreuse.core.tiers; a SharedTier is one
-        several managers share, kvreuse.core.tiers.shared); none by default."""
+        several managers share, kvreuse.core.tiers.shared); none by default.
+        `check_prefix_hashes`: `Request.prefix_hashes` are checked against the prompt's own
+        digests (one more pass over each prompt that has them) instead of trusted."""
         if not isinstance(config, CacheConfig):
             raise TypeError(f"KVCacheManager needs a CacheConfig, got {type(config).__name__}")
         for spec in tiers:
@@ -83,6 +91,7 @@ class KVCacheManager:
         self.events = EventLog(config.enable_events, config.max_pending_events)
         self.pool = BlockPool(config, self.events)
         self.hasher = config.hasher()
+        self._check_prefix_hashes = bool(check_prefix_hashes)
         self.ledger = StepLedger(self.geo)
         self.requests: dict[str, RequestState] = {}
         self.stats = CacheStats(config.finished_stats_capacity)
@@ -102,7 +111,7 @@ class KVCacheManager:
             raise TypeError(f"add_request needs a Request, got {type(req).__name__}")
         if req.request_id in self.requests:
             raise ValueError(f"request {req.request_id!r} is already registered")
-        st = new_request_state(req, self.hasher)
+        st = new_request_state(req, self.hasher, self._check_prefix_hashes)
         self.requests[st.request_id] = st
         self.stats.forget_finished(st.request_id)
 

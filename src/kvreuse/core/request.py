@@ -45,7 +45,8 @@ class Request:
     skip_read: bool = False
     # H[1] … H[k] of this prompt's chain, hashed before by a hasher of the same configuration
     # with the same extra keys (a simulator's shared trace blocks, a router's chain): trusted,
-    # so the prompt is hashed only past them. k may not exceed the prompt's units.
+    # so the prompt is hashed only past them, unless the manager was built to check them
+    # (`check_prefix_hashes`). k may not exceed the prompt's units.
     prefix_hashes: Sequence[bytes] = ()
 
 
@@ -307,8 +308,10 @@ class RequestState:
         self.deferred = what
 
 
-def new_request_state(req: Request, hasher: Hasher) -> RequestState:
-    """Validate a `Request` and hash its prompt (the chain is then extended incrementally)."""
+def new_request_state(req: Request, hasher: Hasher, check_adopted: bool = False) -> RequestState:
+    """Validate a `Request` and hash its prompt (the chain is then extended incrementally).
+    `check_adopted`: hash the units `prefix_hashes` stands for as well, and refuse the request
+    if they differ (a full pass over the prompt: what adopting them saves)."""
     rid = req.request_id
     if not isinstance(rid, str) or not rid:
         raise ValueError(f"request_id must be a non-empty str, got {rid!r}")
@@ -348,6 +351,10 @@ def new_request_state(req: Request, hasher: Hasher) -> RequestState:
     if req.prefix_hashes:
         _adopt(chain, req.prefix_hashes, len(tokens), rid)
     chain.extend(tokens)
+    if req.prefix_hashes and check_adopted:
+        fresh = hasher.chain(lora=lora, mm_items=mm, cache_salt=req.cache_salt)
+        fresh.extend(tokens)
+        _check_adopted(fresh, chain, rid)
     return RequestState(
         request_id=rid,
         tokens=tokens,
@@ -360,9 +367,10 @@ def new_request_state(req: Request, hasher: Hasher) -> RequestState:
 
 
 def _adopt(chain: Chain, hashes: Sequence[bytes], num_tokens: int, rid: str) -> None:
-    """`Request.prefix_hashes` into a new chain. They are trusted: only what costs no pass over
-    them is checked (at most a digest per unit of the prompt; the first and the last are digests
-    of the chain's size), since a pass would cost a good part of what they save."""
+    """`Request.prefix_hashes` into a new chain. They are trusted (unless the manager checks
+    them, `_check_adopted`): here only what costs no pass over them is checked (at most a digest
+    per unit of the prompt; the first and the last are digests of the chain's size), since a
+    pass would cost a good part of what they save."""
     t = chain.template
     most = max(0, (num_tokens - t.lookahead) // t.hash_unit)
     if len(hashes) > most:
@@ -377,3 +385,16 @@ def _adopt(chain: Chain, hashes: Sequence[bytes], num_tokens: int, rid: str) -> 
             "manager's hasher"
         )
     chain.adopt(hashes)
+
+
+def _check_adopted(fresh: Chain, chain: Chain, rid: str) -> None:
+    """Refuse a chain whose adopted digests differ from `fresh`, the same prompt hashed from
+    its tokens, naming the first that differs (H[k] is prefix_hashes[k − 1])."""
+    for k, (mine, theirs) in enumerate(zip(chain.hashes, fresh.hashes, strict=True)):
+        if mine != theirs:
+            u = chain.template.hash_unit
+            raise ValueError(
+                f"request {rid!r}: prefix_hashes[{k - 1}] is not the digest of unit {k} (tokens "
+                f"[{(k - 1) * u}, {k * u})) under this manager's hasher and the request's extra "
+                "keys; hash the prefix with the same configuration and keys, or leave it out"
+            )
