@@ -222,7 +222,8 @@ def _suite() -> tuple[str, dict[str, Any]]:
 
     start = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        # addopts cleared: the project's own -q on top of this one would print no summary line
+        [sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -232,7 +233,8 @@ def _suite() -> tuple[str, dict[str, Any]]:
     last = summary[-1] if summary else ""
     counts = {w: int(n) for n, w in re.findall(r"(\d+) (passed|skipped|failed|errors?)", last)}
     if done.returncode != 0 or counts.get("failed"):
-        raise SystemExit(f"figures: the suite failed: {last}")
+        failed = [line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+        raise SystemExit("\n  ".join([f"figures: the suite failed: {last}", *failed]))
     values = {"wall_s": round(wall, 1), "minutes": round(wall / 60, 1), **counts}
     return "python -m pytest", values
 

@@ -71,12 +71,14 @@ def spaced_sessions() -> list[WorkloadRequest]:
 
 
 @pytest.mark.parametrize(
-    ("name", "num_blocks"), [("tiny-hybrid-dcp4", 16), ("tiny-sliding-hybrid", 96)]
+    ("name", "num_blocks"), [("tiny-hybrid-dcp4", 16), ("tiny-sliding-hybrid", 180)]
 )
 def test_the_router_predicts_each_tier_exactly(name: str, num_blocks: int) -> None:
     """3 replicas, small pools, both tiers evicting: every mirror holds each tier's keys
     (reconciled), and with nothing in flight when a request is routed, the router's predicted
-    hit and its split across the tiers are exactly what the replica delivers."""
+    hit and its split across the tiers are exactly what the replica delivers. The sliding
+    hybrid's pool lets every turn run cold (a turn that fits only thanks to its hit is refused:
+    docs/decisions.md D98)."""
     dep = tiered(name, num_blocks)
     summary, rows = run(dep, spaced_sessions(), replicas=3, policy="exact")
     assert summary["reconciled"], summary["reconciliation"]
@@ -84,7 +86,7 @@ def test_the_router_predicts_each_tier_exactly(name: str, num_blocks: int) -> No
     tiers = summary["tiers"]
     assert tiers["host"]["hit_tokens"] > 0 and tiers["store"]["hit_tokens"] > 0
     admitted = [r for r in rows if r["reason"] != "not_admitted"]
-    assert sum(any(r["delivered_tiers"]) for r in admitted) >= 9
+    assert sum(any(r["delivered_tiers"]) for r in admitted) >= 8
     for row in admitted:
         assert row["predicted_tiers"] == row["delivered_tiers"], row
         assert row["predicted_tokens"] == row["cached_tokens"], row
